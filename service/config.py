@@ -1,0 +1,42 @@
+"""Every setting of the service, from the command line (--model ...) or the environment (LLM_MODEL=...)."""
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLM_", cli_kebab_case=True, cli_implicit_flags=True, extra="ignore")
+
+    # model
+    model: str | None = Field(None, description="HF directory or hub id; the embedded default model when unset")
+    served_model_name: str | None = Field(None, description="name reported by /v1/models (default: the model's)")
+    dtype: str = Field("auto", description="auto | bfloat16 | float16 | float32")
+    device: str = Field("auto", description="auto | cuda | cpu")
+    max_model_len: int | None = Field(None, description="context length (default: the model's)")
+
+    # KV cache and scheduling
+    block_size: int = 16
+    num_kv_blocks: int | None = Field(None, description="explicit KV block count (default: sized from memory)")
+    gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
+    cpu_kv_cache_bytes: int = Field(256 << 20, description="KV cache budget on CPU")
+    max_num_seqs: int = Field(256, description="most sequences in one step")
+    max_num_batched_tokens: int = Field(8192, description="token budget of one step (prefill chunks + decodes)")
+    enable_prefix_caching: bool = True
+    cuda_graphs: bool = True
+
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_waiting_requests: int = Field(512, description="beyond this, 429")
+    max_request_bytes: int = Field(1 << 20, description="request body limit")
+    max_stop_sequences: int = 16
+    api_key: str | None = Field(None, description="Bearer key; required on the route groups in api_key_routes")
+    api_key_routes: str = Field("finetune", description="comma list of: generate, openai, finetune, metrics")
+    log_level: str = "info"
+
+    # fine-tuning
+    finetune_dir: str = Field("./finetune-data", description="uploaded files, jobs and adapters")
+
+
+def load_settings(argv: list[str] | None = None) -> Settings:
+    """Settings from CLI arguments (argv) over environment variables over defaults."""
+    return CliApp.run(Settings, cli_args=argv if argv is not None else [])
