@@ -1,0 +1,212 @@
+"""Attention forward/backward throughput: ours vs SDPA (flash, cuDNN) vs FlexAttention on one GPU.
+
+python benchmarks/attention.py [--out DIR] [--mode fwd|bwd|both] [--quick]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from kernels.interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+
+TOKENS, HIDDEN = 16384, 2048
+FLEX_TIME_BUDGET_S = 150  # Flex compiles per shape; past this it is skipped so the run stays ~4 minutes
+
+
+def _has_backward():
+    try:
+        from kernels.backward import flash_attn_backward  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _sdpa(backend):
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    def run(q, k, v, causal):  # [B, H, N, D]
+        with sdpa_kernel(backend):
+            return scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
+
+
+def _flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    torch._dynamo.config.cache_size_limit = 256
+    compiled = torch.compile(flex_attention)
+    masks = {}
+
+    def run(q, k, v, causal):
+        block_mask = None
+        if causal:
+            n = q.shape[2]
+            if n not in masks:
+                masks[n] = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device="cuda")
+            block_mask = masks[n]
+        return compiled(q, k, v, block_mask=block_mask)
+    return run
+
+
+def _providers():
+    from torch.nn.attention import SDPBackend
+
+    ours = lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)  # noqa: E731
+    return {"ours": (ours, "bnhd"), "sdpa_flash": (_sdpa(SDPBackend.FLASH_ATTENTION), "bhnd"),
+            "sdpa_cudnn": (_sdpa(SDPBackend.CUDNN_ATTENTION), "bhnd"), "flex": (_flex(), "bhnd")}
+
+
+def _inputs(batch, seqlen, nheads, head_dim, layout, grad):
+    shape = (batch, seqlen, nheads, head_dim) if layout == "bnhd" else (batch, nheads, seqlen, head_dim)
+    return [torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3)]
+
+
+def _bench(fn, layout, batch, seqlen, nheads, head_dim, causal, mode):
+    """Returns {"fwd": ms, "bwd": ms} for the requested passes."""
+    res = {}
+    q, k, v = _inputs(batch, seqlen, nheads, head_dim, layout, grad=mode != "fwd")
+    if mode in ("fwd", "both"):
+        with torch.no_grad():
+            res["fwd"] = do_bench(lambda: fn(q, k, v, causal), return_mode="median")
+    if mode in ("bwd", "both"):
+        out = fn(q, k, v, causal)
+        dout = torch.randn_like(out)
+        res["bwd"] = do_bench(lambda: out.backward(dout, retain_graph=True), grad_to_none=[q, k, v],
+                              return_mode="median")
+    return res
+
+
+def _tflops(ms, batch, seqlen, nheads, head_dim, causal, pass_):
+    flops = 4 * batch * nheads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0)
+    flops *= 2.5 if pass_ == "bwd" else 1.0
+    return flops / (ms * 1e-3) / 1e12
+
+
+def _peak_memory(fn, layout, seqlen, nheads, head_dim):
+    batch = TOKENS // seqlen
+    q, k, v = _inputs(batch, seqlen, nheads, head_dim, layout, grad=True)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(q, k, v, True).backward(torch.randn_like(q))
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _varlen_row(nheads=16, head_dim=128, causal=True):
+    """64 random-length sequences vs a fixed-length batch with the same number of tokens (forward)."""
+    lens = torch.randint(64, 2049, (64,)).tolist()
+    total = sum(lens)
+    cu = torch.zeros(65, dtype=torch.int32, device="cuda")
+    cu[1:] = torch.tensor(lens, device="cuda").cumsum(0)
+    q, k, v = (torch.randn(total, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms_var = do_bench(lambda: flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=causal),
+                      return_mode="median")
+    flops_var = sum(4 * nheads * n * n * head_dim * (0.5 if causal else 1.0) for n in lens)
+    fixed_n = 1024
+    batch = max(1, total // fixed_n)
+    qf, kf, vf = (torch.randn(batch, fixed_n, nheads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ms_fix = do_bench(lambda: flash_attn_func(qf, kf, vf, causal=causal), return_mode="median")
+    tf_var = flops_var / (ms_var * 1e-3) / 1e12
+    tf_fix = _tflops(ms_fix, batch, fixed_n, nheads, head_dim, causal, "fwd")
+    return {"num_seqs": 64, "total_tokens": total, "varlen_tflops": tf_var, "fixed_seqlen": fixed_n,
+            "fixed_batch": batch, "fixed_tflops": tf_fix, "ratio": tf_var / tf_fix}
+
+
+def _plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    combos = sorted({(r["head_dim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(combos), figsize=(5 * len(combos), 4), squeeze=False)
+    for ax, (hd, causal) in zip(axes[0], combos):
+        for provider in sorted({r["provider"] for r in rows}):
+            for pass_, style in (("fwd", "-o"), ("bwd", "--x")):
+                pts = [(r["seqlen"], r[f"{pass_}_tflops"]) for r in rows if r["provider"] == provider and
+                       r["head_dim"] == hd and r["causal"] == causal and isinstance(r.get(f"{pass_}_tflops"), float)]
+                if pts:
+                    ax.plot(*zip(*pts), style, label=f"{provider} {pass_}")
+        ax.set(xscale="log", xlabel="seqlen", ylabel="TFLOP/s", title=f"hd{hd} {'causal' if causal else 'full'}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--mode", choices=["fwd", "bwd", "both"], default="both")
+    parser.add_argument("--quick", action="store_true", help="seqlen 1024 and 4096 only")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    seqlens = [1024, 4096] if args.quick else [512, 1024, 2048, 4096, 8192, 16384]
+    has_bwd = _has_backward()
+    providers = _providers()
+    start = time.time()
+    rows = []
+    print(f"{'provider':>11} {'hd':>4} {'causal':>6} {'N':>6} {'B':>3} {'fwd TF/s':>9} {'bwd TF/s':>9}  error")
+    for head_dim in (64, 128):
+        nheads = HIDDEN // head_dim
+        for causal in (False, True):
+            for seqlen in seqlens:
+                batch = TOKENS // seqlen
+                for name, (fn, layout) in providers.items():
+                    row = {"provider": name, "head_dim": head_dim, "nheads": nheads, "causal": causal,
+                           "seqlen": seqlen, "batch": batch, "fwd_tflops": None, "bwd_tflops": None, "error": None}
+                    mode = args.mode
+                    if name == "ours" and not has_bwd and mode != "fwd":
+                        row["bwd_tflops"] = "n/a"
+                        mode = "fwd" if mode == "both" else None
+                    try:
+                        if name == "flex" and time.time() - start > FLEX_TIME_BUDGET_S:
+                            raise RuntimeError("skipped: time budget spent")
+                        if mode:
+                            for pass_, ms in _bench(fn, layout, batch, seqlen, nheads, head_dim, causal, mode).items():
+                                row[f"{pass_}_tflops"] = _tflops(ms, batch, seqlen, nheads, head_dim, causal, pass_)
+                    except Exception as exc:  # one failing peer must not kill the run
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+                    fmt = lambda x: f"{x:9.1f}" if isinstance(x, float) else f"{str(x):>9}"  # noqa: E731
+                    print(f"{name:>11} {head_dim:>4} {str(causal):>6} {seqlen:>6} {batch:>3} "
+                          f"{fmt(row['fwd_tflops'])} {fmt(row['bwd_tflops'])}  {row['error'] or ''}", flush=True)
+
+    memory = {}
+    for name in ("ours", "sdpa_flash"):
+        fn, layout = providers[name]
+        try:
+            if name == "ours" and not has_bwd:
+                raise RuntimeError("n/a: kernels.backward missing")
+            memory[name] = _peak_memory(fn, layout, 4096, 16, 128)
+        except Exception as exc:
+            memory[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    print(f"peak fwd+bwd memory MiB (hd128 causal N=4096 B=4): {memory}")
+    try:
+        varlen = _varlen_row()
+    except Exception as exc:
+        varlen = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(f"varlen (64 seqs, 64..2048) vs fixed: {varlen}")
+
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "dtype": "bfloat16", "tokens_per_batch": TOKENS, "hidden": HIDDEN, "mode": args.mode,
+              "backward_available": has_bwd, "rows": rows, "peak_memory_mib": memory, "varlen": varlen,
+              "elapsed_s": time.time() - start}
+    with open(os.path.join(args.out, "attention.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    try:
+        _plot(rows, os.path.join(args.out, "attention.png"))
+    except Exception as exc:
+        print(f"plot failed: {exc}")
+    print(f"wrote {args.out}/attention.json and attention.png in {time.time() - start:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Prefill attention forward (FlashAttention-2 style) over packed varlen batches, optionally reading K/V
+from a paged cache. One program computes BLOCK_M query rows of one head of one sequence."""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.configs import PREFILL_CONFIGS, prune_prefill_configs
+
+
+@triton.jit
+def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d, start_n, end_n,
+                     seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
+                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                     DOT_PRECISION: tl.constexpr):
+    """Online softmax over keys [start_n, end_n). MASKED blocks pay for the length and causal masks; the
+    unmasked stage is only called on blocks every query row fully sees."""
+    for n0 in range(start_n, end_n, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if PAGED:
+            blk = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0).to(tl.int64)
+            k_rows = blk * stride_k_blk + (offs_n % PAGE_SIZE) * stride_k_tok
+            v_rows = blk * stride_v_blk + (offs_n % PAGE_SIZE) * stride_v_tok
+        else:  # offsets within one sequence fit int32; the int64 sequence start is already in k_base/v_base
+            k_rows = offs_n * stride_k_tok
+            v_rows = offs_n * stride_v_tok
+        n_ok = offs_n < seqlen_k
+        if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
+            d_ok = offs_d < HEAD_DIM
+            k = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        else:  # hot path: full block, unpadded head_dim, no masks
+            k = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
+            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            visible = n_ok[None, :]
+            if IS_CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_new
+        if MASKED:  # a row that has seen no key yet keeps m = -inf; subtract 0 instead so nothing is NaN
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_sub)
+        p = tl.math.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=PREFILL_CONFIGS, key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "seqlen_bucket"],
+                 prune_configs_by={"early_config_prune": prune_prefill_configs})
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
+                    qk_scale, total_q, seqlen_bucket, group_size,
+                    stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_k_blk,
+                    stride_v_tok, stride_v_h, stride_v_blk, stride_o_tok, stride_o_h, stride_bt,
+                    HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Highest q-blocks first: under causal masking they carry the most work, so they should not straggle.
+    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q + batch)
+    seqlen_q = tl.load(cu_seqlens_q + batch + 1) - q_start
+    if start_m * BLOCK_M >= seqlen_q:
+        return
+    k_start = tl.load(cu_seqlens_k + batch)
+    seqlen_k = tl.load(cu_seqlens_k + batch + 1) - k_start
+    kv_head = head // group_size
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PADDED)
+    m_ok = offs_m < seqlen_q
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head * stride_q_h + offs_d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+
+    if PAGED:
+        k_base = k_ptr + kv_head * stride_k_h
+        v_base = v_ptr + kv_head * stride_v_h
+    else:
+        k_base = k_ptr + k_start.to(tl.int64) * stride_k_tok + kv_head * stride_k_h
+        v_base = v_ptr + k_start.to(tl.int64) * stride_v_tok + kv_head * stride_v_h
+    block_table_row = block_table + batch.to(tl.int64) * stride_bt
+
+    # Bottom-right causal: query i sees keys j <= i + causal_offset. Keys every row of this block sees form
+    # the unmasked stage; the rest up to the last row's horizon is the masked (diagonal) stage.
+    causal_offset = seqlen_k - seqlen_q
+    if IS_CAUSAL:
+        last_row = tl.minimum(seqlen_q, (start_m + 1) * BLOCK_M) - 1
+        hi = tl.maximum(tl.minimum(seqlen_k, last_row + causal_offset + 1), 0)
+        full = tl.maximum(tl.minimum(seqlen_k, start_m * BLOCK_M + causal_offset + 1), 0)
+    else:
+        hi = seqlen_k
+        full = seqlen_k
+    unmasked_end = (full // BLOCK_N) * BLOCK_N
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d,
+                                     0, unmasked_end, seqlen_k, causal_offset, qk_scale,
+                                     stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, False, IS_CAUSAL,
+                                     DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d,
+                                     unmasked_end, hi, seqlen_k, causal_offset, qk_scale,
+                                     stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, True, IS_CAUSAL,
+                                     DOT_PRECISION)
+
+    # Rows that saw no key: out = 0, lse = -inf.
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head * stride_o_h + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(lse_ptr + head.to(tl.int64) * total_q + q_rows, lse, mask=m_ok)
+
+
+def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                       block_table=None):
+    """Packed varlen forward. q [total_q, H, d]; k/v [total_k, H_k, d], or paged caches
+    [num_blocks, block_size, H_k, d] with block_table. Returns (out like q, lse [H, total_q] float32).
+    Inputs are assumed validated by kernels.interface."""
+    total_q, nheads, head_dim = q.shape
+    nheads_k = k.shape[-2]
+    batch = cu_seqlens_q.numel() - 1
+    out = torch.empty_like(q)
+    lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        lse.fill_(float("-inf"))
+        return out.zero_(), lse
+    paged = block_table is not None
+    if paged:
+        stride_k_blk, stride_v_blk, stride_bt, page_size = k.stride(0), v.stride(0), block_table.stride(0), k.shape[1]
+        stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(1), k.stride(2), v.stride(1), v.stride(2)
+    else:
+        stride_k_blk = stride_v_blk = stride_bt = 0
+        page_size = 16
+        block_table = cu_seqlens_k  # never read; any int32 tensor pointer will do
+        stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
+    seqlen_bucket = triton.next_power_of_2(max_seqlen_q)
+
+    def grid(meta):
+        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch
+
+    _prefill_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
+        softmax_scale * math.log2(math.e), total_q, seqlen_bucket, nheads // nheads_k,
+        q.stride(0), q.stride(1), stride_k_tok, stride_k_h, stride_k_blk,
+        stride_v_tok, stride_v_h, stride_v_blk, out.stride(0), out.stride(1), stride_bt,
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), IS_CAUSAL=bool(causal),
+        PAGED=paged, PAGE_SIZE=page_size, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out, lse
+
+
