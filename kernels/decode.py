@@ -1,0 +1,210 @@
+"""Split-KV (FlashDecoding) attention of a few new query tokens over a paged KV cache.
+
+Phase 1: program (batch, kv head, split) attends all query heads of its KV head group (and all seqlen_q rows)
+to one chunk of the sequence's keys, so each K/V row is read from HBM once per group. Rows of a KV tile are
+gathered through the block table one by one, so a tile may span several cache blocks. With one split it writes
+the final output; otherwise it writes a partial output and its log-sum-exp, and phase 2 merges the splits.
+Chunks are sized from each sequence's own length on the device, and the split count from shapes alone, so the
+launcher never reads a device tensor on the host: it is free of synchronization and can be captured in a CUDA graph.
+"""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.configs import DECODE_BLOCK_N, DECODE_NUM_STAGES, DECODE_NUM_WARPS
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, PartialOut, PartialLse,
+                         scale_log2,
+                         stride_qb, stride_qs, stride_qh,
+                         stride_kb, stride_kt, stride_kh,
+                         stride_vb, stride_vt, stride_vh,
+                         stride_btb,
+                         stride_ob, stride_os, stride_oh,
+                         GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    nheads_k = tl.num_programs(1)
+    seqlen = tl.load(CacheSeqlens + b)
+
+    # Rows are (head in group, query position); keys this split sees: [start, end).
+    rows = tl.arange(0, BLOCK_M)
+    g = rows // SEQLEN_Q
+    qi = rows % SEQLEN_Q
+    row_ok = rows < GROUP * SEQLEN_Q
+    head = kv_head * GROUP + g
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    d_ok = d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + qi[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seqlen)
+    last_key = seqlen - SEQLEN_Q + qi  # bottom-right causal: row qi sees keys <= last_key
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], tl.float32)
+    cols = tl.arange(0, BLOCK_N)
+    for n0 in range(start, end, BLOCK_N):
+        n = n0 + cols
+        n_ok = n < end
+        block = tl.load(BlockTable + b * stride_btb + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        if HEAD_DIM == HEAD_DIM_PADDED:  # no head_dim mask, so loads stay 16-byte vectors
+            kv_mask = n_ok[:, None]
+        else:
+            kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(KCache + block[:, None] * stride_kb + offset[:, None] * stride_kt + kv_head * stride_kh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VCache + block[:, None] * stride_vb + offset[:, None] * stride_vt + kv_head * stride_vh
+                    + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2
+        visible = n_ok[None, :]
+        if IS_CAUSAL:
+            visible = visible & (n[None, :] <= last_key[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no visible key yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_mask = row_ok[:, None] & d_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(Out + b * stride_ob + qi[:, None] * stride_os + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials laid out [batch, nheads, seqlen_q, NUM_SPLITS, (HEAD_DIM)], contiguous.
+        part = ((b * nheads_k * GROUP + head) * SEQLEN_Q + qi) * NUM_SPLITS + split
+        tl.store(PartialOut + part[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(PartialLse + part, lse, mask=row_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(PartialOut, PartialLse, Out, nheads,
+                         stride_ob, stride_os, stride_oh,
+                         SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+    row = tl.program_id(0)  # over batch * nheads * seqlen_q, the partials' order
+    qi = row % SEQLEN_Q
+    head = (row // SEQLEN_Q) % nheads
+    b = row // (SEQLEN_Q * nheads)
+    sp = tl.arange(0, SPLITS_PADDED)
+    d = tl.arange(0, HEAD_DIM_PADDED)
+    lse = tl.load(PartialLse + row * NUM_SPLITS + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
+    mask = (sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
+    parts = tl.load(PartialOut + (row * NUM_SPLITS + sp[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(Out + b * stride_ob + qi * stride_os + head * stride_oh + d, out.to(Out.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a small count still exercises several splits
+    if device.index not in _SM_COUNT:
+        _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SM_COUNT[device.index]
+
+
+def choose_num_splits(batch: int, nheads_k: int, max_seqlen: int, sm_count: int, block_n: int) -> int:
+    """Enough splits for about two programs per SM, each keeping at least two KV tiles to amortize its q load
+    and the merge."""
+    programs = batch * nheads_k
+    by_occupancy = -(-2 * sm_count // programs)
+    by_length = max(1, max_seqlen // (2 * block_n))
+    return max(1, min(by_occupancy, by_length, 64))
+
+
+def _validate(q, k_cache, v_cache, cache_seqlens, block_table, num_splits):
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"expected q [batch, seqlen_q, nheads, head_dim] and k/v caches [num_blocks, block_size, "
+                         f"nheads_k, head_dim], got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    _, block_size, nheads_k, head_dim_k = k_cache.shape
+    if head_dim_k != head_dim or head_dim > 256 or head_dim < 1:
+        raise ValueError(f"head_dim must match between q and the cache and be <= 256, got {head_dim}, {head_dim_k}")
+    if nheads_k == 0 or nheads % nheads_k:
+        raise ValueError(f"nheads ({nheads}) must be a multiple of nheads_k ({nheads_k})")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not q.dtype == k_cache.dtype == v_cache.dtype:
+        raise ValueError(f"q and the caches must share one of fp16/bf16/fp32, got {q.dtype}, {k_cache.dtype}")
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens must be int32 [batch={batch}]")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks]")
+    if not (q.device == k_cache.device == v_cache.device == cache_seqlens.device == block_table.device):
+        raise ValueError("all tensors must be on one device")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_table.stride(1) != 1:
+        raise ValueError("q, the caches and block_table need a unit-stride last dimension")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True,
+                            num_splits=0):
+    """q [batch, seqlen_q, nheads, head_dim], the last seqlen_q tokens of each cached sequence; paged caches
+    [num_blocks, block_size, nheads_k, head_dim]; cache_seqlens int32 [batch]; block_table int32
+    [batch, max_blocks]. num_splits=0 picks a split count from the shapes (the block table's width bounds the
+    context); any num_splits keeps the call free of host synchronization. Returns out like q."""
+    _validate(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    block_size, nheads_k = k_cache.shape[1], k_cache.shape[2]
+    group = nheads // nheads_k
+    out = torch.empty_like(q)
+    if batch == 0 or seqlen_q == 0:
+        return out
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    # Keep a pipeline stage of K+V tiles near 64 KB of shared memory.
+    block_n = DECODE_BLOCK_N // (head_dim_padded // 128 if head_dim_padded > 128 else 1)
+    block_n = max(16, block_n // 2 if q.dtype == torch.float32 else block_n)
+    if num_splits == 0:
+        max_seqlen = block_table.shape[1] * block_size
+        num_splits = choose_num_splits(batch, nheads_k, max_seqlen, _sm_count(q.device), block_n)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if num_splits > 1:
+        partial_out = torch.empty(batch, nheads, seqlen_q, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        partial_lse = torch.empty(batch, nheads, seqlen_q, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        partial_out = partial_lse = out  # unused
+    _decode_split_kernel[(batch, nheads_k, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, block_table, out, partial_out, partial_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        GROUP=group, SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=max(16, triton.next_power_of_2(group * seqlen_q)),
+        BLOCK_N=block_n, IS_CAUSAL=causal, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch * nheads * seqlen_q,)](
+            partial_out, partial_lse, out, nheads,
+            out.stride(0), out.stride(1), out.stride(2),
+            SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, SPLITS_PADDED=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), num_warps=4,
+        )
+    return out

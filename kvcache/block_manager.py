@@ -1,0 +1,147 @@
+"""Block tables of live sequences with prefix caching (the scheduler's view of the KV cache).
+
+A full block is identified by a hash chained over its token ids and all blocks before it, so equal hashes
+mean equal prefixes. A full block is registered once its KV is known to be written: `append(seq, tokens)`
+registers full blocks lying entirely before the last token (the last token's KV is written by the next step).
+"""
+from kvcache.block_allocator import BlockAllocator
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.allocator = BlockAllocator(num_blocks, on_evict=self._forget)
+        self.hash_to_block: dict[int, int] = {}
+        self.block_to_hash: dict[int, int] = {}
+        self.tables: dict[object, list[int]] = {}
+        self.num_tokens: dict[object, int] = {}
+        self.hashes: dict[object, list[int]] = {}  # chained hashes of the sequence's registered full blocks
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- accounting ------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
+
+    def _num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    @staticmethod
+    def _chain(prev_hash: int, tokens) -> int:
+        return hash((prev_hash, tuple(tokens)))
+
+    def _forget(self, block: int) -> None:
+        del self.hash_to_block[self.block_to_hash.pop(block)]
+
+    def _prefix_hits(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) of the longest cached prefix of full blocks before the last token."""
+        blocks, hashes, h = [], [], 0
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            h = self._chain(h, token_ids[i * bs:(i + 1) * bs])
+            block = self.hash_to_block.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(h)
+        return blocks, hashes
+
+    # -- sequences -------------------------------------------------------------------------------------
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        hits, _ = self._prefix_hits(token_ids)
+        revived = sum(self.allocator.is_evictable(b) for b in hits)
+        return self._num_blocks(len(token_ids)) - len(hits) <= self.num_free_blocks - revived
+
+    def allocate(self, seq_id, token_ids: list[int]) -> int:
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        if not token_ids:
+            raise ValueError("cannot allocate an empty prompt")
+        if not self.can_allocate(token_ids):
+            raise RuntimeError("out of KV-cache blocks")
+        hits, hashes = self._prefix_hits(token_ids)
+        table = [self.allocator.fork(b) for b in hits]  # revive hits before allocating may evict
+        table += [self.allocator.allocate() for _ in range(self._num_blocks(len(token_ids)) - len(hits))]
+        self.tables[seq_id], self.hashes[seq_id], self.num_tokens[seq_id] = table, hashes, len(token_ids)
+        cached = len(hits) * self.block_size
+        self.prefix_queried_tokens += len(token_ids)
+        self.prefix_hit_tokens += cached
+        return cached
+
+    def _needs_copy(self, seq_id, position: int) -> bool:
+        table = self.tables[seq_id]
+        index = position // self.block_size
+        return index < len(table) and self.allocator.ref_counts[table[index]] > 1
+
+    def can_append(self, seq_id, num_new_tokens: int = 1) -> bool:
+        n = self.num_tokens[seq_id] + num_new_tokens
+        needed = self._num_blocks(n) - len(self.tables[seq_id]) + self._needs_copy(seq_id, self.num_tokens[seq_id])
+        return needed <= self.num_free_blocks
+
+    def append(self, seq_id, token_ids: list[int]) -> list[tuple[int, int]]:
+        table, n = self.tables[seq_id], len(token_ids)
+        if n < self.num_tokens[seq_id]:
+            raise ValueError("a sequence cannot shrink")
+        copies = []
+        # Copy-on-write: positions from the old length on are about to be written; a block shared with a
+        # fork (or cached) must become private first.
+        first = self.num_tokens[seq_id] // self.block_size
+        for index in range(first, min(len(table), self._num_blocks(n))):
+            if self.allocator.ref_counts[table[index]] > 1:
+                new = self.allocator.allocate()
+                copies.append((table[index], new))
+                self.allocator.free(table[index], cached=table[index] in self.block_to_hash)
+                table[index] = new
+        while len(table) < self._num_blocks(n):
+            table.append(self.allocator.allocate())
+        self.num_tokens[seq_id] = n
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq_id, token_ids)
+        return copies
+
+    def _register_full_blocks(self, seq_id, token_ids: list[int]) -> None:
+        table, hashes, bs = self.tables[seq_id], self.hashes[seq_id], self.block_size
+        for index in range(len(hashes), (len(token_ids) - 1) // bs):
+            h = self._chain(hashes[-1] if hashes else 0, token_ids[index * bs:(index + 1) * bs])
+            hashes.append(h)
+            block = table[index]
+            if h not in self.hash_to_block and block not in self.block_to_hash:
+                self.hash_to_block[h] = block
+                self.block_to_hash[block] = h
+
+    def fork(self, parent_seq_id, child_seq_id) -> None:
+        if child_seq_id in self.tables:
+            raise ValueError(f"sequence {child_seq_id!r} already has blocks")
+        self.tables[child_seq_id] = [self.allocator.fork(b) for b in self.tables[parent_seq_id]]
+        self.hashes[child_seq_id] = list(self.hashes[parent_seq_id])
+        self.num_tokens[child_seq_id] = self.num_tokens[parent_seq_id]
+
+    def free(self, seq_id) -> None:
+        table = self.tables.pop(seq_id)
+        del self.hashes[seq_id], self.num_tokens[seq_id]
+        for block in reversed(table):  # tail blocks are evicted before the shared prefix blocks
+            self.allocator.free(block, cached=block in self.block_to_hash)
+
+    def block_table(self, seq_id) -> list[int]:
+        return list(self.tables[seq_id])
+
+    def slot_mapping(self, seq_id, start: int, end: int) -> list[int]:
+        table, bs = self.tables[seq_id], self.block_size
+        if not 0 <= start <= end <= len(table) * bs:
+            raise ValueError(f"positions [{start}, {end}) outside the sequence's {len(table)} blocks")
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
