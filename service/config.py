@@ -35,6 +35,9 @@ class Settings(BaseSettings):
 
     # fine-tuning
     finetune_dir: str = Field("./finetune-data", description="uploaded files, jobs and adapters")
+    finetune_max_file_bytes: int = Field(32 << 20, gt=0, description="largest training file accepted")
+    finetune_duty_cycle: float = Field(0.5, gt=0, le=1, description="most of the time training may take while "
+                                       "requests are being served")
 
 
 def load_settings(argv: list[str] | None = None) -> Settings:

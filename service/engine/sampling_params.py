@@ -15,6 +15,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False  # report the sampled token's logprob
     top_logprobs: int = 0
+    detokenize: bool = True  # False: TokenOutput.text stays "" and stop strings are not checked (benchmarks)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,188 @@
+"""End-to-end generation throughput: our engine vs Hugging Face transformers `generate` on the same random
+bf16 weights of a Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14/2 heads, vocab 151936, tied).
+
+Fixed batches (128-token random prompts, 256 new tokens, ignore_eos) at batch 1/32/128/256, and a mixed
+workload (256 requests, prompts 100..1024, outputs 100..1024, all arriving at once). HF runs 32 new tokens
+per batch (it is slow) and its throughput is scaled from that; its largest cases are skipped when too slow.
+
+python benchmarks/generate.py [--out DIR] [--quick]
+"""
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from service.engine.llm import LLM  # noqa: E402
+from service.engine.sampling_params import SamplingParams  # noqa: E402
+from service.model.loader import DEFAULT_MODEL_DIR  # noqa: E402
+
+CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+    "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151643,
+    "use_sliding_window": False, "sliding_window": 32768,
+}
+WEIGHT_BYTES_FLOOR_MS = 0.33  # ~0.99 GB of bf16 weights read once per decode step at ~3 TB/s
+PROMPT_LEN, NEW_TOKENS, HF_NEW_TOKENS = 128, 256, 32
+
+
+def write_checkpoint(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    c = CONFIG
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+
+    def rand(*shape, std=0.02):
+        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
+
+    w = {"model.embed_tokens.weight": rand(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        w |= {p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.q_proj.bias": rand(q),
+              p + "self_attn.k_proj.weight": rand(kv, h), p + "self_attn.k_proj.bias": rand(kv),
+              p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.v_proj.bias": rand(kv),
+              p + "self_attn.o_proj.weight": rand(h, q), p + "mlp.gate_proj.weight": rand(inter, h),
+              p + "mlp.up_proj.weight": rand(inter, h), p + "mlp.down_proj.weight": rand(h, inter),
+              p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+              p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # only loaded; outputs are not detokenized
+        shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dict:
+    """Runs all requests (arriving at once) to completion; per-step and per-request timings."""
+    engine = llm.engine
+    start = time.perf_counter()
+    for i, (p, n) in enumerate(zip(prompts, new_tokens)):
+        engine.add_request(f"b{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
+                                                       detokenize=False))
+    first, generated, decode_steps = {}, 0, []
+    while engine.has_work:
+        outputs, stats = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            first.setdefault(out.request_id, now - start)
+        generated += len(outputs)
+        if stats is not None and stats.num_prefill_tokens == 0:
+            decode_steps.append((stats.batch_size, stats.step_seconds))
+    elapsed = time.perf_counter() - start
+    assert generated == sum(new_tokens), (generated, sum(new_tokens))
+    ttft = sorted(first.values())
+    full = [t for b, t in decode_steps if b == max(b for b, _ in decode_steps)] if decode_steps else [0.0]
+    return {"seconds": elapsed, "tokens": generated, "tok_per_s": generated / elapsed,
+            "ttft_median_ms": 1e3 * ttft[len(ttft) // 2], "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
+            "decode_step_median_ms": 1e3 * sorted(full)[len(full) // 2]}
+
+
+def run_hf(model, batch: int, new_tokens: int) -> dict:
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, PROMPT_LEN), device="cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "tokens": batch * new_tokens, "tok_per_s": batch * new_tokens / elapsed}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--quick", action="store_true", help="batches 1 and 32, 64 new tokens, no mixed workload")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [1, 32] if args.quick else [1, 32, 128, 256]
+    new_tokens = 64 if args.quick else NEW_TOKENS
+    tmp = Path(tempfile.mkdtemp(prefix="bench-qwen2-"))
+    results = {"config": "Qwen2.5-0.5B-shaped, random bf16", "gpu": torch.cuda.get_device_name(),
+               "weight_read_floor_ms": WEIGHT_BYTES_FLOOR_MS, "ours": {}, "hf": {}}
+    try:
+        write_checkpoint(tmp)
+        t = time.perf_counter()
+        llm = LLM(str(tmp), dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
+                  gpu_memory_utilization=0.6, max_model_len=4096)
+        results["engine_startup_s"] = time.perf_counter() - t
+        g = torch.Generator().manual_seed(0)
+        rand = lambda n: torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+        # Warm-up: compile kernels and autotune the prefill kernel for every query-length bucket used below.
+        for bucket in range(1, 12):
+            run_engine(llm, [rand(2 ** bucket)], [2])
+        run_engine(llm, [rand(PROMPT_LEN) for _ in range(8)], [16] * 8)
+        for batch in batches:
+            r = run_engine(llm, [rand(PROMPT_LEN) for _ in range(batch)], [new_tokens] * batch)
+            results["ours"][f"batch{batch}"] = r
+            print(f"ours  batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s  decode step {r['decode_step_median_ms']:.2f} ms"
+                  f"  TTFT median {r['ttft_median_ms']:.1f} ms", flush=True)
+        if not args.quick:
+            lens = torch.randint(100, 1025, (256, 2), generator=g).tolist()
+            r = run_engine(llm, [rand(p) for p, _ in lens], [n for _, n in lens])
+            results["ours"]["mixed"] = r
+            print(f"ours  mixed     : {r['tok_per_s']:9.0f} tok/s  TTFT median {r['ttft_median_ms']:.0f} ms "
+                  f"p99 {r['ttft_p99_ms']:.0f} ms", flush=True)
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.bfloat16).cuda().eval()
+        run_hf(hf, 1, 4)
+        budget_end = time.perf_counter() + (30 if args.quick else 120)
+        for batch in batches:
+            if time.perf_counter() > budget_end:
+                print(f"hf    batch {batch:4d}: skipped (time budget)")
+                continue
+            r = run_hf(hf, batch, HF_NEW_TOKENS)
+            results["hf"][f"batch{batch}"] = r
+            print(f"hf    batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s ({HF_NEW_TOKENS} new tokens)", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\n{'case':>10} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'step ms':>8} {'x floor':>8} {'TTFT ms':>8}")
+    for case, r in results["ours"].items():
+        hf_r = results["hf"].get(case)
+        speedup = f"{r['tok_per_s'] / hf_r['tok_per_s']:.1f}x" if hf_r else "-"
+        hf_s = f"{hf_r['tok_per_s']:.0f}" if hf_r else "-"
+        step = r["decode_step_median_ms"]
+        print(f"{case:>10} {r['tok_per_s']:11.0f} {hf_s:>10} {speedup:>8} {step:8.2f} "
+              f"{step / WEIGHT_BYTES_FLOOR_MS:8.1f} {r['ttft_median_ms']:8.1f}")
+    (out / "generate.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "generate.png")
+    print(f"wrote {out / 'generate.json'} and {out / 'generate.png'}")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(results["ours"])
+    x = range(len(cases))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.bar([i - 0.2 for i in x], [results["ours"][c]["tok_per_s"] for c in cases], 0.4, label="ours")
+    ax.bar([i + 0.2 for i in x], [results["hf"].get(c, {}).get("tok_per_s", 0) for c in cases], 0.4,
+           label="HF transformers")
+    ax.set_xticks(list(x), cases)
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens / s")
+    ax.set_title(f"Generation throughput, {results['config']} ({results['gpu']})")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

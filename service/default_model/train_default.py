@@ -1,0 +1,235 @@
+"""Trains the embedded default model: a 7.2M-parameter Llama (13.8 MiB of bf16 weights) with its own byte-level BPE
+tokenizer (4096 tokens), from random init, on Debian's fortune cookie files, through the fine-tuning path of
+the service (packed varlen batches, our Triton attention forward + backward kernels on the GPU, fp32 master
+weights with bf16 autocast, AdamW).
+
+    python -m service.default_model.train_default --prepare-corpus   # once, where `apt-get install fortunes`
+    python -m service.default_model.train_default [--out DIR]        # on the GPU (training budget 240 s, ~5 min in all)
+
+Corpus recipe (--prepare-corpus): every text file of /usr/share/games/fortunes (Debian packages fortunes-min and
+fortunes, DFSG-free, BSD-style licence; the offensive set lives elsewhere and is not read, and the
+`ethnic` and `men-women` files are skipped), split into fortunes at the `%` lines,
+whitespace trimmed, only printable ASCII kept, deduplicated, shuffled with seed 0, one fortune per record
+separated by `%` lines, gzipped into corpus.txt.gz beside this script (~1 MB), so the GPU machine needs
+no package. Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
+generation_config.json, loss_curve.png, training_log.json (losses, settings, samples) to --out.
+"""
+import argparse
+import gzip
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from service.default_model.make_untrained import CHAT_TEMPLATE, SPECIAL
+from service.finetune.data import tokenize
+from service.finetune.trainer import loss_sum
+from service.model import LlamaForCausalLM, ModelConfig
+
+HERE = Path(__file__).resolve().parent
+CORPUS = HERE / "corpus.txt.gz"
+FORTUNES = Path("/usr/share/games/fortunes")
+SEPARATOR = "\n%\n"
+EXCLUDED = {"ethnic", "men-women"}  # stereotype jokes: not what a demo model should babble
+VOCAB_SIZE = 4096
+MAX_TOKENS = 384  # longer fortunes are cut (a few long poems)
+CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB_SIZE, "hidden_size": 320,
+    "intermediate_size": 768, "num_hidden_layers": 6, "num_attention_heads": 5, "num_key_value_heads": 1,
+    "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+    "tie_word_embeddings": True, "attention_bias": False, "hidden_act": "silu", "torch_dtype": "bfloat16",
+    "bos_token_id": 0, "eos_token_id": 2, "pad_token_id": 0,
+}
+SAMPLE_PROMPTS = ["The meaning of life is", "A man walks into a bar", "Q: Why did the chicken cross the road?\nA:",
+                  "Never trust a", "You will"]
+
+
+def prepare_corpus() -> None:
+    fortunes = set()
+    for path in sorted(FORTUNES.iterdir()):
+        if path.suffix in (".dat", ".u8") or not path.is_file() or path.name in EXCLUDED:
+            continue
+        for text in path.read_text(encoding="latin-1").split("\n%"):
+            text = text.strip("\n%").strip()
+            if text and all(c.isprintable() or c in "\n\t" for c in text) and text.isascii():
+                fortunes.add(text)
+    records = sorted(fortunes)
+    random.Random(0).shuffle(records)
+    CORPUS.write_bytes(gzip.compress(SEPARATOR.join(records).encode(), mtime=0))
+    print(f"wrote {len(records)} fortunes, {sum(map(len, records)) / 1e6:.1f} M characters to {CORPUS}")
+
+
+def train_tokenizer(texts: list[str]) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out: Path):
+    from transformers import PreTrainedTokenizerFast
+
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL[0], "eos_token": SPECIAL[2],
+        "pad_token": SPECIAL[0], "add_bos_token": False, "model_max_length": CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    return PreTrainedTokenizerFast.from_pretrained(str(out))
+
+
+def batches(examples, tokens_per_batch: int, rng: random.Random):
+    """Endless random batches of whole examples holding about tokens_per_batch tokens."""
+    while True:
+        batch, size = [], 0
+        while size < tokens_per_batch:
+            ex = examples[rng.randrange(len(examples))]
+            batch.append(ex)
+            size += len(ex.token_ids)
+        yield batch
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak as progress goes from 0 to 1."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare-corpus", action="store_true", help="build corpus.txt.gz from the fortune files")
+    parser.add_argument("--out", default=str(HERE))
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--tokens-per-step", type=int, default=8192)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--max-seconds", type=float, default=240.0, help="training time budget (the schedule "
+                        "ends at --steps or at this, whichever comes first)")
+    args = parser.parse_args()
+    if args.prepare_corpus:
+        return prepare_corpus()
+    if not torch.cuda.is_available():
+        raise SystemExit("training the default model needs a CUDA GPU")
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    texts = gzip.decompress(CORPUS.read_bytes()).decode().split(SEPARATOR)
+    tokenizer = save_tokenizer(train_tokenizer(texts), out)
+    examples = [tokenize({"text": t}, tokenizer) for t in texts]
+    for ex in examples:
+        ex.token_ids, ex.loss_mask = ex.token_ids[:MAX_TOKENS], ex.loss_mask[:MAX_TOKENS]
+    held_out, examples = examples[:len(examples) // 50], examples[len(examples) // 50:]
+    print(f"{len(texts)} fortunes, {sum(len(e.token_ids) for e in examples) / 1e6:.2f} M training tokens")
+
+    cfg = ModelConfig.from_dict(CONFIG)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg)  # float32 master weights
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.02)
+        for layer in model.model.layers:  # residual branches scaled down with depth, as in GPT-2
+            layer.self_attn.o_proj.weight.mul_(1 / math.sqrt(2 * cfg.num_hidden_layers))
+            layer.mlp.down_proj.weight.mul_(1 / math.sqrt(2 * cfg.num_hidden_layers))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.1f} M parameters ({2 * n_params / 2**20:.1f} MiB in bf16)")
+    decay = [p for p in model.parameters() if p.dim() > 1]
+    other = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+                                  lr=args.lr, betas=(0.9, 0.95), fused=True)
+
+    def evaluate() -> float:
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
+            for i in range(0, len(held_out), 64):
+                loss, n = loss_sum(model, held_out[i:i + 64], "cuda")
+                total, count = total + loss.item(), count + n
+        model.train()
+        return total / count
+
+    rng, log = random.Random(0), {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    weights = {}
+
+    def keep_if_best(step: int) -> None:
+        """The corpus is small (the model sees it ~15 times): keep the weights of the best held-out loss."""
+        log["val_step"].append(step)
+        log["val_loss"].append(evaluate())
+        if log["val_loss"][-1] <= min(log["val_loss"]):
+            weights.update({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
+                            if k != "lm_head.weight"})
+
+    start, done = time.perf_counter(), 0
+    stream = batches(examples, args.tokens_per_step, rng)
+    for step in range(args.steps):
+        # Progress in steps or in time, whichever is further: a slower GPU still ends its schedule in time.
+        progress = max(step / args.steps, (time.perf_counter() - start) / args.max_seconds)
+        if progress >= 1:
+            break
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, progress, args.lr, warmup=100)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss, n = loss_sum(model, next(stream), "cuda")
+        (loss / n).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        done = step + 1
+        if step % 25 == 0 or step == args.steps - 1:
+            log["step"].append(step)
+            log["loss"].append(loss.item() / n)
+            print(f"step {step:5d}  loss {log['loss'][-1]:.3f}  {time.perf_counter() - start:6.1f} s", flush=True)
+        if step % 100 == 99:
+            keep_if_best(step)
+    keep_if_best(done)
+    seconds = time.perf_counter() - start
+    print(f"trained {done} steps in {seconds:.0f} s; best held-out loss {min(log['val_loss']):.3f}")
+
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps({**CONFIG, "_comment": "trained by train_default.py on Debian's "
+                                                 "fortune files"}, indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "bos_token_id": 0}) + "\n")
+    samples = sample(out)
+    (out / "training_log.json").write_text(json.dumps({**log, "seconds": seconds, "steps": done,
+                                                       "args": vars(args), "samples": samples}, indent=1))
+    plot(log, out / "loss_curve.png")
+    print(f"wrote the model to {out}")
+
+
+def sample(model_dir: Path) -> dict[str, str]:
+    """Continuations of a few prompts by the saved model, through the serving engine."""
+    from service.engine.llm import LLM
+    from service.engine.sampling_params import SamplingParams
+
+    llm = LLM(str(model_dir), gpu_memory_utilization=0.2)
+    params = SamplingParams(max_new_tokens=60, temperature=0.7, top_p=0.9, seed=0)
+    outputs = llm.generate(SAMPLE_PROMPTS, params)
+    samples = {p: o.text for p, o in zip(SAMPLE_PROMPTS, outputs)}
+    for p, text in samples.items():
+        print(f"--- {p!r} -> {text!r}")
+    return samples
+
+
+def plot(log: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(log["step"], log["loss"], label="training")
+    ax.plot(log["val_step"], log["val_loss"], "o-", label="held out")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="default model on the fortune files")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

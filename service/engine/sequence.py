@@ -1,0 +1,48 @@
+"""One request's state as it moves through the engine."""
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    generator: torch.Generator | None = None  # seeded requests only
+    adapter: str | None = None
+    token_ids: list[int] = field(init=False)  # prompt + generated
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
+    admitted: bool = False
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def cache_keys(self) -> list:
+        """What the prefix cache hashes: the tokens, salted with the adapter (its KV differs from the base
+        model's) through the first token, which every chained block hash includes."""
+        if self.adapter is None:
+            return self.token_ids
+        return [(self.adapter, self.token_ids[0])] + self.token_ids[1:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens

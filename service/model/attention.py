@@ -1,0 +1,74 @@
+"""Attention over the paged KV cache, and the choice of backend: our Triton kernels on CUDA, the pure-PyTorch
+references of kernels/reference.py elsewhere. The model code is the same for both."""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.reference import attention_ref, gather_paged_kv, varlen_attention_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's flat batch: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1], the last of its
+    seqlens_k[b] cached tokens. decode: every sequence has exactly one query row (the CUDA-graph path)."""
+    slot_mapping: torch.Tensor  # [num_tokens] int, cache slot of each new token (-1: padding, not written)
+    block_table: torch.Tensor  # [batch, max_blocks] int32
+    seqlens_k: torch.Tensor  # [batch] int32
+    cu_seqlens_q: torch.Tensor | None = None  # [batch + 1] int32 (prefill/mixed steps)
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 1
+    max_seqlen_k: int = 0
+    decode: bool = False
+    num_splits: int = 0  # decode kernel splits; fixed > 0 inside CUDA graphs
+
+
+def use_triton(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping):
+    if use_triton(k.device):
+        from kvcache.store import store_kv as store
+    else:
+        from kvcache.store import store_kv_ref as store
+    store(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """q [tokens, heads, d], k/v [tokens, heads_k, d] of the new tokens: writes k/v into the cache, then each
+    new token attends (causally) to its sequence's cached prefix and the new tokens up to itself."""
+    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if use_triton(q.device):
+        from kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+        if meta.decode:
+            out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, meta.seqlens_k, meta.block_table,
+                                          softmax_scale=scale, causal=True, num_splits=meta.num_splits)
+            return out.squeeze(1)
+        return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                      meta.max_seqlen_k, softmax_scale=scale, causal=True,
+                                      block_table=meta.block_table)
+    cu_q = meta.cu_seqlens_q
+    if cu_q is None:
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    seqlens = meta.seqlens_k.tolist()
+    keys = [gather_paged_kv(k_cache, meta.block_table[b], n) for b, n in enumerate(seqlens)]
+    values = [gather_paged_kv(v_cache, meta.block_table[b], n) for b, n in enumerate(seqlens)]
+    cu_k = torch.tensor([0] + seqlens, device=q.device).cumsum(0)
+    return varlen_attention_ref(q, torch.cat(keys), torch.cat(values), cu_q, cu_k, scale, causal=True)[0]
+
+
+def dense_attention(q, k, v, scale: float):
+    """Training path, differentiable, no cache: q [batch, seq, heads, d], k/v [batch, seq, heads_k, d]."""
+    if use_triton(q.device):
+        from kernels import flash_attn_func
+        return flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    return torch.stack([attention_ref(q[b], k[b], v[b], scale, causal=True)[0] for b in range(q.shape[0])])
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float):
+    """Training path over packed sequences: q/k/v [tokens, heads(_k), d], cu_seqlens int32 [batch + 1]."""
+    if use_triton(q.device):
+        from kernels import flash_attn_varlen_func
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      softmax_scale=scale, causal=True)
+    return varlen_attention_ref(q, k, v, cu_seqlens, cu_seqlens, scale, causal=True)[0]

@@ -1,0 +1,109 @@
+"""The decoder. Module names follow Hugging Face checkpoints (model.layers.N.self_attn.q_proj, ...) so weights
+load by name and LoRA adapters can wrap the nn.Linear projections.
+
+Two forwards share every layer:
+- inference: a flat batch of new tokens [num_tokens] with positions and AttentionMetadata (prefill chunks and
+  decodes mixed), reading and writing the paged KV cache bound by `bind_kv_cache`;
+- training: input_ids [batch, seq] (or packed [tokens] with cu_seqlens), differentiable, no cache.
+"""
+import torch
+from torch import nn
+
+from service.model.attention import AttentionMetadata, dense_attention, paged_attention, varlen_attention
+from service.model.config import ModelConfig
+from service.model.layers import MLP, RMSNorm, RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_cache = self.v_cache = None
+
+    def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0):
+        shape = x.shape[:-1]
+        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        if meta is not None:
+            out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        elif cu_seqlens is not None:
+            out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
+        else:
+            out = dense_attention(q, k, v, self.scale)
+        return self.o_proj(out.reshape(*shape, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, rotary, meta, cu_seqlens=None, max_seqlen=0):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids, positions, meta=None, cu_seqlens=None, max_seqlen=0):
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rotary_emb, meta, cu_seqlens, max_seqlen)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def bind_kv_cache(self, k_caches, v_caches) -> None:
+        """Per-layer paged caches [num_blocks, block_size, heads_k, head_dim] the inference forward uses."""
+        for layer, k, v in zip(self.model.layers, k_caches, v_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k, v
+
+    def forward(self, input_ids, positions, meta: AttentionMetadata):
+        """Inference: flat new tokens [num_tokens] -> final hidden states [num_tokens, hidden] (logits are
+        computed only for the rows that are sampled, see compute_logits)."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden):
+        return self.lm_head(hidden)
+
+    def forward_train(self, input_ids, positions=None, cu_seqlens=None, max_seqlen: int = 0):
+        """Training logits. input_ids [batch, seq] (positions default 0..seq-1), or packed [tokens] with
+        cu_seqlens int32 [batch + 1] (positions default restart at 0 in every sequence)."""
+        if cu_seqlens is None:
+            if positions is None:
+                positions = torch.arange(input_ids.shape[-1], device=input_ids.device).expand_as(input_ids)
+        elif positions is None:
+            starts = torch.repeat_interleave(cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long())
+            positions = torch.arange(input_ids.shape[0], device=input_ids.device) - starts
+        hidden = self.model(input_ids, positions, None, cu_seqlens, max_seqlen)
+        return self.lm_head(hidden)

@@ -1,0 +1,91 @@
+"""Loads a model directory (or hub id): config, safetensors weights straight onto the device, tokenizer."""
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from service.model.config import ModelConfig
+from service.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """None -> the embedded default model; an existing directory; else a hub id downloaded (weights, config,
+    tokenizer only)."""
+    if model is None:
+        return DEFAULT_MODEL_DIR
+    if Path(model).is_dir():
+        return Path(model)
+    from huggingface_hub import snapshot_download
+    log.info("downloading %s from the Hugging Face hub", model)
+    return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))
+
+
+def resolve_dtype(dtype: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32  # CPU matmuls in half precision are slow and less accurate
+    return DTYPES.get(cfg.torch_dtype or "bfloat16", torch.bfloat16)
+
+
+def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
+    model_dir, device = Path(model_dir), torch.device(device)
+    cfg = ModelConfig.from_dir(model_dir)
+    with torch.device("meta"):  # no memory and no random init until the weights arrive
+        model = LlamaForCausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gave the two names separate storage
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary_emb.rebuild(device)
+    params = dict(model.named_parameters())
+    missing = set(params)
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"no .safetensors files in {model_dir}")
+    for i, shard in enumerate(shards):
+        start = time.perf_counter()
+        with safe_open(shard, framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name not in params:
+                    if name == "lm_head.weight" and cfg.tie_word_embeddings or "rotary_emb" in name:
+                        continue
+                    raise ValueError(f"unexpected tensor {name!r} in {shard.name}")
+                tensor = f.get_tensor(name)
+                if tensor.shape != params[name].shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                missing.discard(name)
+        log.info("loaded shard %d/%d %s in %.1fs", i + 1, len(shards), shard.name, time.perf_counter() - start)
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    return model.eval()
+
+
+def load_tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def eos_token_ids(model_dir, tokenizer) -> set[int]:
+    """EOS ids from generation_config.json and config.json (int or list) plus the tokenizer's."""
+    ids = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

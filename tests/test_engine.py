@@ -1,0 +1,286 @@
+"""The engine end to end on a tiny random Llama (CPU, fp32): batching, preemption, prefix caching and chunked
+prefill never change greedy outputs; sampling, stops, aborts, errors; no KV block leaks."""
+import asyncio
+
+import pytest
+import torch
+
+from service.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStepError, RequestRejected
+from service.engine.detokenizer import IncrementalDetokenizer
+from service.engine.llm import LLM
+from service.engine.sampler import Sampler
+from service.engine.sampling_params import SamplingParams
+from tiny_models import make_tiny_model
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+def make_llm(model_dir, **overrides):
+    return LLM(str(model_dir), device="cpu", dtype="float32", **overrides)
+
+
+def assert_no_leaks(llm):
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_work and not llm.engine.requests
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(3, 3072, (40,), generator=g).tolist()  # prefix of half the prompts: cache hits
+    out = []
+    for i in range(32):
+        n = int(torch.randint(1, 70, (1,), generator=g))
+        tail = torch.randint(3, 3072, (n,), generator=g).tolist()
+        out.append(shared + tail if i % 2 else tail)
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(model_dir, prompts):
+    llm = make_llm(model_dir, num_kv_blocks=64, enable_prefix_caching=False)
+    return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(num_kv_blocks=512, max_num_batched_tokens=512),  # admitted over a few steps: prefix cache hits
+    dict(num_kv_blocks=24),  # tiny cache: preemption and recomputation
+    dict(num_kv_blocks=512, max_num_batched_tokens=32),  # chunked prefill
+    dict(num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=5),
+], ids=["batched", "preempting", "chunked", "all-tight"])
+def test_batch_matches_alone(model_dir, prompts, alone, settings):
+    llm = make_llm(model_dir, **settings)
+    preemptions, hits = [], []
+    step = llm.engine.step
+
+    def counting_step():
+        outputs, stats = step()
+        if stats:
+            preemptions.append(stats.num_preemptions)
+            hits.append(stats.prefix_hit_tokens)
+        return outputs, stats
+
+    llm.engine.step = counting_step
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert all(o.finish_reason == "length" for o in outs)
+    if settings["num_kv_blocks"] < 30:
+        assert sum(preemptions) > 0
+    else:
+        assert sum(hits) > 0
+    assert_no_leaks(llm)
+
+
+def test_sampling_seeds_stops_and_lengths(model_dir):
+    llm = make_llm(model_dir, num_kv_blocks=128)
+    prompt = [5, 6, 7, 8, 9]
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    first, second, other = llm.generate([prompt, prompt, prompt], [seeded, seeded,
+                                        SamplingParams(**{**seeded.__dict__, "seed": 8})])
+    assert first.token_ids == second.token_ids and first.text == second.text
+    assert first.token_ids != other.token_ids
+    assert len(first.token_ids) == 12 and first.finish_reason == "length"
+
+    base = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True))[0]
+    stop = base.text[len(base.text) // 2:len(base.text) // 2 + 3]
+    stopped = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True,
+                                                   stop=[stop]))[0]
+    assert stopped.finish_reason == "stop" and stopped.text == base.text[:base.text.index(stop)]
+    by_token = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0,
+                                                     stop_token_ids=[base.token_ids[3]]))[0]
+    assert by_token.finish_reason == "stop" and by_token.token_ids == base.token_ids[:base.token_ids.index(base.token_ids[3]) + 1]
+    eos = llm.engine.eos_token_ids
+    llm.engine.eos_token_ids = {base.token_ids[2]}
+    ended = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0))[0]
+    llm.engine.eos_token_ids = eos
+    assert ended.finish_reason == "eos_token" and ended.token_ids[-1] == base.token_ids[2]
+    with_logprobs = llm.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=True,
+                                                          top_logprobs=2))[0]
+    assert with_logprobs.token_ids == base.token_ids[:3]
+    assert_no_leaks(llm)
+
+
+def test_rejections(model_dir):
+    llm = make_llm(model_dir, num_kv_blocks=8, max_model_len=256)
+    with pytest.raises(RequestRejected, match="context length"):
+        llm.engine.add_request("a", [1] * 250, SamplingParams(max_new_tokens=10))
+    with pytest.raises(RequestRejected, match="KV cache"):
+        llm.engine.add_request("b", [1] * 100, SamplingParams(max_new_tokens=100))
+    for bad in (SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(max_new_tokens=0)):
+        with pytest.raises(RequestRejected):
+            llm.engine.add_request("c", [1, 2], bad)
+    with pytest.raises(RequestRejected, match="token ids"):
+        llm.engine.add_request("d", [99999], SamplingParams())
+    assert_no_leaks(llm)
+
+
+def test_sampler_filters():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    greedy = logits.argmax(-1).tolist()
+    sampler = Sampler()
+    for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(temperature=0.0)):
+        out = sampler(logits.clone(), [p] * 3, [None] * 3, [[0]] * 3)
+        assert out.token_ids == greedy
+    out = sampler(logits.clone(), [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)] * 3,
+                  [None] * 3, [[0]] * 3)
+    expected = logits.log_softmax(-1)
+    assert out.logprobs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-5)
+    assert [t[0][0] for t in out.top_logprobs] == greedy and len(out.top_logprobs[0]) == 3
+    # a strong repetition penalty moves greedy off a token already seen
+    penalized = sampler(logits.clone(), [SamplingParams(temperature=0.0, repetition_penalty=1e6)] * 3,
+                        [None] * 3, [[g] for g in greedy])
+    assert all(a != b for a, b in zip(penalized.token_ids, greedy))
+
+
+def test_detokenizer_utf8_and_stop_holdback(model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    text = "héllo 世界, def f(x): return x"
+    ids = tok.encode(text)
+    detok = IncrementalDetokenizer(tok, [1], [])
+    pieces = [detok.add(t)[0] for t in ids]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    detok = IncrementalDetokenizer(tok, [1], ["f(x"])
+    out, hit = "", False
+    for t in ids:
+        piece, hit = detok.add(t)
+        out += piece
+        if hit:
+            break
+    assert hit and out == text[:text.index("f(x")]
+
+
+def test_async_engine_streams_aborts_and_errors(model_dir):
+    from service.config import Settings
+
+    async def main():
+        engine = AsyncEngine.from_settings(Settings(model=str(model_dir), device="cpu", dtype="float32",
+                                                    num_kv_blocks=64, max_waiting_requests=4))
+        stats = []
+        engine.add_step_listener(stats.append)
+        await engine.start()
+        assert engine.ready
+
+        async def collect(rid, params=GREEDY):
+            return [o async for o in engine.add_request(rid, [4, 5, 6], params)]
+
+        outs = await asyncio.gather(*(collect(f"r{i}") for i in range(3)))
+        assert all(len(o) == 10 and o[-1].finished and o[-1].finish_reason == "length" for o in outs)
+        assert [o.index for o in outs[0]] == list(range(10)) and stats
+
+        # consumer leaves early -> blocks freed at once
+        stream = engine.add_request("early", [4, 5, 6], SamplingParams(max_new_tokens=200))
+        async for out in stream:
+            if out.index == 2:
+                break
+        await stream.aclose()
+        bm = engine.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+        # explicit abort
+        stream = engine.add_request("ab", [4, 5, 6], SamplingParams(max_new_tokens=200))
+        await stream.__anext__()
+        await engine.abort("ab")
+        assert bm.num_free_blocks == bm.num_blocks
+
+        with pytest.raises(RequestRejected):
+            engine.add_request("x", [], GREEDY)
+
+        # a failing step fails that step's requests and the loop goes on
+        run = engine.engine.runner.run
+        engine.engine.runner.run = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
+        with pytest.raises(EngineStepError, match="boom"):
+            await collect("fail")
+        engine.engine.runner.run = run
+        assert len(await collect("after")) == 10
+        assert bm.num_free_blocks == bm.num_blocks
+
+        await engine.shutdown(drain_seconds=5)
+        with pytest.raises(EngineOverloaded):
+            engine.add_request("late", [1], GREEDY)
+
+    asyncio.run(main())
+
+
+def test_async_engine_overload(model_dir):
+    from service.config import Settings
+
+    async def main():
+        engine = AsyncEngine.from_settings(Settings(model=str(model_dir), device="cpu", dtype="float32",
+                                                    num_kv_blocks=64, max_waiting_requests=2))
+        # not started: requests stay waiting
+        streams = [engine.add_request(f"w{i}", [1, 2], GREEDY) for i in range(2)]
+        with pytest.raises(EngineOverloaded):
+            engine.add_request("w2", [1, 2], GREEDY)
+        await engine.start()
+        for s in streams:
+            assert [o async for o in s][-1].finished
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_adapters_are_served_per_request(model_dir):
+    from service.finetune.lora import Adapter, LoRAConfig, add_adapter
+
+    adapter = None
+
+    def engine_with_adapter(**settings):
+        nonlocal adapter
+        llm = make_llm(model_dir, num_kv_blocks=128, **settings)
+        if adapter is None:
+            adapter = Adapter.init(llm.engine.model, LoRAConfig(rank=4), seed=0)
+            for a, b in adapter.weights.values():
+                b.data.normal_(0, 0.5)
+        add_adapter(llm.engine.model, "tuned", adapter.to("cpu", torch.float32))
+        return llm
+
+    prompt = list(range(3, 40))  # two full blocks: a prefix-cache hit if adapters shared cache entries
+
+    def run(engine, requests):
+        for rid, adapter_name in requests:
+            engine.add_request(rid, prompt, GREEDY, adapter=adapter_name)
+        tokens = {rid: [] for rid, _ in requests}
+        while engine.has_work:
+            for out in engine.step()[0]:
+                tokens[out.request_id].append(out.token_id)
+        return tokens
+
+    ref = engine_with_adapter(enable_prefix_caching=False).engine
+    base, tuned = run(ref, [("b", None)])["b"], run(ref, [("t", "tuned")])["t"]
+    assert tuned != base
+    llm = engine_with_adapter()
+    engine = llm.engine
+    assert run(engine, [("b0", None)])["b0"] == base
+    assert run(engine, [("t0", "tuned")])["t0"] == tuned
+    mixed = run(engine, [("b1", None), ("t1", "tuned"), ("b2", None), ("t2", "tuned")])
+    assert mixed == {"b1": base, "t1": tuned, "b2": base, "t2": tuned}
+    with pytest.raises(RequestRejected, match="unknown adapter"):
+        engine.add_request("u", prompt, GREEDY, adapter="nope")
+    assert_no_leaks(llm)
+
+
+def test_default_model_generates():
+    llm = LLM(None, device="cpu")
+    out = llm.generate(["def main():"], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5 and isinstance(out.text, str)
+    assert "untrained" in (llm.engine.model_dir / "README.md").read_text()
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(model_dir, prompts):
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
+                  max_num_seqs=64)
+        assert bool(llm.engine.runner.graphs) == graphs
+        outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert_no_leaks(llm)
+    assert outs[True] == outs[False]
