@@ -1,0 +1,34 @@
+"""Optional bearer-key authentication, per route group (settings.api_key_routes)."""
+import hmac
+
+from fastapi import Request
+
+from service.api.errors import APIError
+
+ROUTE_GROUPS = ("generate", "openai", "finetune", "metrics")
+
+
+def protected_groups(api_key_routes: str) -> set[str]:
+    groups = {g.strip() for g in api_key_routes.split(",") if g.strip()}
+    unknown = groups - set(ROUTE_GROUPS)
+    if unknown:
+        raise ValueError(f"api_key_routes: unknown route groups {sorted(unknown)}; known: {', '.join(ROUTE_GROUPS)}")
+    return groups
+
+
+def require_api_key(group: str):
+    """A route dependency: 401 unless the request carries `Authorization: Bearer <settings.api_key>`, when a
+    key is configured and `group` is one of the protected groups."""
+    if group not in ROUTE_GROUPS:
+        raise ValueError(f"unknown route group {group!r}")
+
+    def check(request: Request) -> None:
+        settings = request.app.state.settings
+        if not settings.api_key or group not in request.app.state.protected_groups:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "missing or invalid API key", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    return check

@@ -1,0 +1,235 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both streaming or not), /v1/models."""
+import json
+import time
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from service.api.auth import require_api_key
+from service.api.body import read_json
+from service.api.errors import APIError
+from service.api.generation import EventStream, Generation, check_stop, fit_context, served_models, sse
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
+from service.engine.async_engine import EngineStepError
+from service.engine.outputs import TokenOutput
+from service.engine.sampling_params import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context's room
+FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop": "stop"}
+# Placeholders TGI clients send for "the model this server serves": TGI's docs use "tgi", and
+# huggingface_hub's InferenceClient(base_url=...).chat_completion sends "dummy".
+BASE_MODEL_ALIASES = {"tgi", "dummy"}
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key("openai"))])
+
+
+def _adapter(state, model: str) -> str | None:
+    if model == state.engine.model_name or model in BASE_MODEL_ALIASES:
+        return None
+    if model in served_models(state):
+        return model
+    raise APIError(404, f"The model `{model}` does not exist; GET /v1/models lists the served models",
+                   param="model", code="model_not_found")
+
+
+def _sampling_params(req: OpenAIRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
+        repetition_penalty=req.repetition_penalty or 1.0, seed=req.seed, stop=req.stop or [],
+        logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _stream_error(e: EngineStepError) -> str:
+    return sse(json.dumps({"error": {"message": f"generation failed: {e}", "type": "internal_error", "param": None,
+                                     "code": "engine_error"}}))
+
+
+class _Call:
+    """What both endpoints do with a request once its prompt is tokenized."""
+
+    def __init__(self, request: Request, req: OpenAIRequest, endpoint: str, prompt_ids: list[int],
+                 max_tokens: int | None, default_max_tokens: int | None, logprobs: bool, top_logprobs: int):
+        state = request.app.state
+        engine = state.engine
+        self.tokenizer = engine.tokenizer
+        adapter = _adapter(state, req.model)
+        check_stop(req.stop or [], state.settings.max_stop_sequences, "stop")
+        if req.stream_options is not None and not req.stream:
+            raise APIError(422, "stream_options: only allowed with stream=true", param="stream_options")
+        prompt_param = "prompt" if endpoint == "completions" else "messages"
+        max_new_tokens = fit_context(len(prompt_ids), max_tokens, default_max_tokens, engine.max_model_len,
+                                     prompt_param, "max_tokens")
+        self.params = _sampling_params(req, max_new_tokens, logprobs, top_logprobs)
+        self.generation = Generation(request, endpoint, prompt_ids, self.params, adapter, prompt_param)
+        self.id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{request.state.request_id}"
+        self.model = req.model
+        self.created = int(time.time())
+        self.prompt_tokens = len(prompt_ids)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def usage_chunk(self, obj: str, completion_tokens: int) -> str:
+        return sse(json.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                               "choices": [], "usage": _usage(self.prompt_tokens, completion_tokens)}))
+
+
+# -- /v1/completions ----------------------------------------------------------------------------------------
+
+def _completion_logprobs(call: _Call, outputs: list[TokenOutput], offset: int, want_top: bool) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for out in outputs:
+        tokens.append(call.token_text(out.token_id))
+        token_logprobs.append(out.logprob)
+        top.append({call.token_text(t): lp for t, lp in out.top_logprobs or []} if want_top else None)
+        offsets.append(offset)
+        offset += len(out.text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top if want_top else None,
+            "text_offset": offsets}
+
+
+@router.post("/completions")
+async def completions(request: Request):
+    req = await read_json(request, CompletionRequest, request.app.state.settings.max_request_bytes)
+    tokenizer = request.app.state.engine.tokenizer
+    prompt_ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+    want_logprobs = req.logprobs is not None
+    call = _Call(request, req, "completions", prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                 want_logprobs, req.logprobs or 0)
+    echo = tokenizer.decode(prompt_ids) if req.echo else ""
+
+    def choice(text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> dict:
+        logprobs = _completion_logprobs(call, outputs, offset, bool(req.logprobs)) if want_logprobs else None
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    if not req.stream:
+        outputs = await call.generation.collect()
+        if outputs is None:
+            return Response(status_code=499)
+        text = echo + "".join(out.text for out in outputs)
+        return JSONResponse({"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
+                             "choices": [choice(text, outputs, len(echo), FINISH_REASONS[outputs[-1].finish_reason])],
+                             "usage": _usage(call.prompt_tokens, len(outputs))})
+
+    def chunk(text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> str:
+        return sse(json.dumps({"id": call.id, "object": "text_completion", "created": call.created,
+                               "model": call.model, "choices": [choice(text, outputs, offset, finish_reason)],
+                               "usage": None}))
+
+    async def events():
+        offset, generated = len(echo), 0
+        if echo:
+            yield chunk(echo, [], 0, None)
+        try:
+            async with aclosing(call.generation.tokens()) as tokens:
+                async for out in tokens:
+                    generated += 1
+                    if out.text or out.finished or want_logprobs:
+                        yield chunk(out.text, [out], offset, FINISH_REASONS.get(out.finish_reason))
+                    offset += len(out.text)
+        except EngineStepError as e:
+            yield _stream_error(e)
+            return
+        if call.include_usage:
+            yield call.usage_chunk("text_completion", generated)
+        yield sse("[DONE]")
+
+    return EventStream(events(), call.generation)
+
+
+# -- /v1/chat/completions -----------------------------------------------------------------------------------
+
+def _chat_prompt(req: ChatCompletionRequest, tokenizer) -> list[int]:
+    if not tokenizer.chat_template:
+        raise APIError(422, "messages: this model has no chat template; use /v1/completions", param="messages")
+    messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # the template's own checks (e.g. roles must alternate) raise here
+        raise APIError(422, f"messages: {e}", param="messages", code="invalid_value") from None
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _chat_logprobs(call: _Call, outputs: list[TokenOutput]) -> dict:
+    def entry(token_id: int, logprob: float | None) -> dict:
+        text = call.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(out.token_id, out.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in out.top_logprobs or []]} for out in outputs]}
+
+
+@router.post("/chat/completions")
+async def chat_completions(request: Request):
+    req = await read_json(request, ChatCompletionRequest, request.app.state.settings.max_request_bytes)
+    prompt_ids = _chat_prompt(req, request.app.state.engine.tokenizer)
+    if req.top_logprobs and not req.logprobs:
+        raise APIError(422, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
+    call = _Call(request, req, "chat_completions", prompt_ids, req.max_completion_tokens or req.max_tokens, None,
+                 req.logprobs, req.top_logprobs or 0)
+
+    if not req.stream:
+        outputs = await call.generation.collect()
+        if outputs is None:
+            return Response(status_code=499)
+        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(out.text for out in outputs)},
+                  "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
+                  "finish_reason": FINISH_REASONS[outputs[-1].finish_reason]}
+        return JSONResponse({"id": call.id, "object": "chat.completion", "created": call.created,
+                             "model": call.model, "choices": [choice], "usage": _usage(call.prompt_tokens, len(outputs))})
+
+    def chunk(delta: dict, outputs: list[TokenOutput], finish_reason: str | None) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
+                  "finish_reason": finish_reason}
+        return sse(json.dumps({"id": call.id, "object": "chat.completion.chunk", "created": call.created,
+                               "model": call.model, "choices": [choice], "usage": None}))
+
+    async def events():
+        yield chunk({"role": "assistant", "content": ""}, [], None)
+        generated = 0
+        try:
+            async with aclosing(call.generation.tokens()) as tokens:
+                async for out in tokens:
+                    generated += 1
+                    if out.text or out.finished or req.logprobs:
+                        yield chunk({"content": out.text} if out.text else {}, [out],
+                                    FINISH_REASONS.get(out.finish_reason))
+        except EngineStepError as e:
+            yield _stream_error(e)
+            return
+        if call.include_usage:
+            yield call.usage_chunk("chat.completion.chunk", generated)
+        yield sse("[DONE]")
+
+    return EventStream(events(), call.generation)
+
+
+# -- /v1/models ---------------------------------------------------------------------------------------------
+
+def _model_card(request: Request, name: str) -> dict:
+    engine = request.app.state.engine
+    card = {"id": name, "object": "model", "created": request.app.state.started, "owned_by": "tritonserve",
+            "max_model_len": engine.max_model_len}
+    if name != engine.model_name:
+        card["parent"] = engine.model_name
+    return card
+
+
+@router.get("/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(request, name) for name in served_models(request.app.state)]}
+
+
+@router.get("/models/{model:path}")
+async def retrieve_model(request: Request, model: str):
+    if model not in served_models(request.app.state):
+        raise APIError(404, f"The model `{model}` does not exist", param="model", code="model_not_found")
+    return _model_card(request, model)

@@ -1,0 +1,143 @@
+"""Request bodies of the TGI and OpenAI routes. Unknown fields are rejected (a misspelt parameter should not
+be silently ignored); parameters the engine cannot honour are accepted only at their neutral value, so that
+clients sending them explicitly (huggingface_hub sends several as null) keep working."""
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+U64 = 2 ** 64
+
+
+def _only(neutral: Any, hint: str = ""):
+    """A parameter this server does not implement: only its neutral value (or null) is accepted."""
+
+    def check(value):
+        if value is not None and value != neutral:
+            raise ValueError(f"only {neutral!r} is supported by this server{hint}")
+        return value
+
+    return AfterValidator(check)
+
+
+# Unions are resolved by these before-validators rather than by pydantic, whose union errors name the member
+# types in the error location ("prompt.str") instead of just the field.
+
+def _stop_strings(value):
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, list) and any(s == "" for s in value):
+        raise ValueError("stop strings must be non-empty")
+    return value
+
+
+def _one_prompt(value):
+    """A string or a list of token ids; OpenAI's batch forms are accepted holding exactly one prompt."""
+    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
+        if len(value) != 1:
+            raise ValueError("batched prompts are not supported; send one prompt per request")
+        value = value[0]
+    if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
+        if not value:
+            raise ValueError("must not be empty")
+        return value
+    raise ValueError("must be a string or an array of token ids")
+
+
+def _message_text(value):
+    """Message content as one string: a string, or a list of text parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                       and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
+
+
+Stop = Annotated[list[str] | None, BeforeValidator(_stop_strings)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# -- text-generation-inference ----------------------------------------------------------------------------
+
+class TGIParameters(_Body):
+    max_new_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, gt=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    do_sample: bool = False
+    seed: int | None = Field(None, ge=0, lt=U64)
+    stop: Stop = None
+    details: bool = False
+    return_full_text: bool = False
+    decoder_input_details: bool = False
+    adapter_id: str | None = None
+    truncate: int | None = Field(None, ge=1)
+    best_of: Annotated[int | None, _only(1)] = None
+    top_n_tokens: Annotated[int | None, _only(0)] = None
+    typical_p: Annotated[float | None, _only(1.0)] = None
+    frequency_penalty: Annotated[float | None, _only(0.0, "; use repetition_penalty")] = None
+    watermark: Annotated[bool | None, _only(False)] = None
+    grammar: Annotated[dict | None, _only(None)] = None
+
+
+class TGIRequest(_Body):
+    inputs: str = Field(min_length=1)
+    parameters: TGIParameters = Field(default_factory=TGIParameters)
+    stream: bool = False  # only read by POST /, which serves both
+
+
+# -- OpenAI -------------------------------------------------------------------------------------------------
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class OpenAIRequest(_Body):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: Annotated[int, Field(ge=1), _only(1, "; send n separate requests")] = 1
+    stop: Stop = None
+    seed: int | None = Field(None, ge=-(2 ** 63), lt=U64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float | None, Field(ge=-2, le=2), _only(0.0)] = None
+    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2), _only(0.0, "; use repetition_penalty")] = None
+    logit_bias: Annotated[dict[str, float] | None, _only({})] = None
+    user: str | None = None
+    # extensions (as in vLLM)
+    top_k: int | None = Field(None, ge=0)
+    repetition_penalty: float | None = Field(None, gt=0)
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    best_of: Annotated[int | None, _only(1)] = None
+    suffix: Annotated[str | None, _only(None)] = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Annotated[str | None, BeforeValidator(_message_text)] = None
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list | None, _only([], " (no tool calling)")] = None
+    tool_choice: Annotated[str | None, _only("none", " (no tool calling)")] = None

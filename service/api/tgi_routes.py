@@ -1,0 +1,127 @@
+"""text-generation-inference routes: POST /generate, POST /generate_stream, and POST / (either, by `stream`),
+which is where huggingface_hub's InferenceClient(base_url).text_generation posts."""
+import json
+import random
+from contextlib import aclosing
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from service.api.auth import require_api_key
+from service.api.body import read_json
+from service.api.errors import APIError
+from service.api.generation import EventStream, Generation, check_stop, fit_context, served_models, sse
+from service.api.schemas import TGIParameters, TGIRequest
+from service.engine.async_engine import EngineStepError
+from service.engine.outputs import TokenOutput
+from service.engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 100  # TGI's documented default, capped by the room the context leaves
+FINISH_REASONS = {"length": "length", "eos_token": "eos_token", "stop": "stop_sequence"}
+
+router = APIRouter(dependencies=[Depends(require_api_key("generate"))])
+
+
+def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
+    # As TGI: greedy unless do_sample, or any warper set away from its neutral value.
+    sample = (p.do_sample or p.temperature not in (None, 1.0) or p.top_k not in (None, 0)
+              or p.top_p not in (None, 1.0))
+    seed = p.seed
+    if sample and seed is None:
+        seed = random.getrandbits(63)  # so that details.seed reports what reproduces the output
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=(p.temperature or 1.0) if sample else 0.0,
+        top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
+        seed=seed if sample else None, stop=p.stop or [], logprobs=True)
+
+
+def _token(out: TokenOutput) -> dict:
+    return {"id": out.token_id, "text": out.text, "logprob": out.logprob, "special": out.special}
+
+
+def _generated_text(body: TGIRequest, outputs: list[TokenOutput]) -> str:
+    text = "".join(out.text for out in outputs)
+    return body.inputs + text if body.parameters.return_full_text else text
+
+
+def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Generation, SamplingParams, list[int]]:
+    state = request.app.state
+    p = body.parameters
+    check_stop(p.stop or [], state.settings.max_stop_sequences, "parameters.stop")
+    engine = state.engine
+    prompt_ids = engine.tokenizer.encode(body.inputs)
+    if p.truncate is not None:
+        prompt_ids = prompt_ids[-p.truncate:]
+    max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, engine.max_model_len,
+                                 "inputs", "parameters.max_new_tokens")
+    params = sampling_params(p, max_new_tokens)
+    return Generation(request, endpoint, prompt_ids, params, _adapter(state, p.adapter_id), "inputs"), params, prompt_ids
+
+
+def _adapter(state, adapter_id: str | None) -> str | None:
+    if adapter_id is None or adapter_id == state.engine.model_name:
+        return None
+    if adapter_id not in served_models(state):
+        raise APIError(422, f"parameters.adapter_id: unknown adapter {adapter_id!r}; served: "
+                            f"{', '.join(served_models(state))}", param="parameters.adapter_id")
+    return adapter_id
+
+
+async def _generate(request: Request, body: TGIRequest) -> Response:
+    generation, params, prompt_ids = _submit(request, body, "generate")
+    outputs = await generation.collect()
+    if outputs is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    result = {"generated_text": _generated_text(body, outputs)}
+    if body.parameters.details:
+        decode = request.app.state.engine.tokenizer.decode
+        prefill = ([{"id": t, "text": decode([t]), "logprob": None} for t in prompt_ids]
+                   if body.parameters.decoder_input_details else [])
+        result["details"] = {"finish_reason": FINISH_REASONS[outputs[-1].finish_reason],
+                             "generated_tokens": len(outputs), "seed": params.seed, "prefill": prefill,
+                             "tokens": [_token(out) for out in outputs]}
+    return JSONResponse(result)
+
+
+async def _generate_stream(request: Request, body: TGIRequest) -> Response:
+    generation, params, _ = _submit(request, body, "generate_stream")
+
+    async def events():
+        outputs = []
+        try:
+            async with aclosing(generation.tokens()) as tokens:
+                async for out in tokens:
+                    outputs.append(out)
+                    event = {"index": out.index, "token": _token(out), "top_tokens": None,
+                             "generated_text": None, "details": None}
+                    if out.finished:
+                        event["generated_text"] = _generated_text(body, outputs)
+                        event["details"] = {"finish_reason": FINISH_REASONS[out.finish_reason],
+                                            "generated_tokens": len(outputs), "seed": params.seed,
+                                            "input_length": out.prompt_tokens}
+                    yield sse(json.dumps(event))
+        except EngineStepError as e:
+            yield sse(json.dumps({"error": f"generation failed: {e}", "error_type": "generation"}))
+
+    return EventStream(events(), generation)
+
+
+@router.post("/generate")
+async def generate(request: Request):
+    return await _generate(request, await read_json(request, TGIRequest, request.app.state.settings.max_request_bytes))
+
+
+@router.post("/generate_stream")
+async def generate_stream(request: Request):
+    body = await read_json(request, TGIRequest, request.app.state.settings.max_request_bytes)
+    return await _generate_stream(request, body)
+
+
+@router.post("/")
+async def compat_generate(request: Request):
+    body = await read_json(request, TGIRequest, request.app.state.settings.max_request_bytes)
+    if body.stream:
+        request.state.endpoint = "generate_stream"
+        return await _generate_stream(request, body)
+    return await _generate(request, body)
