@@ -1,0 +1,123 @@
+"""Training data: JSONL parsing and validation, then tokenization with a loss mask that covers only what the
+model should learn to produce.
+
+Each line is one of
+    {"prompt": str, "completion": str}   loss on the completion (and the EOS after it)
+    {"messages": [{"role", "content"}]}  rendered with the tokenizer's chat template; loss on assistant turns
+    {"text": str}                        loss on every token (plain language modelling)
+"""
+import json
+from dataclasses import dataclass
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+@dataclass
+class Example:
+    token_ids: list[int]
+    loss_mask: list[bool]  # True where token_ids[i] is a target (predicted from the tokens before it)
+
+    @property
+    def num_target_tokens(self) -> int:
+        return sum(self.loss_mask[1:])
+
+
+def parse_jsonl(data: bytes) -> list[dict]:
+    """The records of a training file; ValueError naming the first bad line."""
+    if not data.strip():
+        raise ValueError("the file is empty")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the file is not valid UTF-8 (byte {e.start})") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"line {number}: not valid JSON ({e})") from None
+        try:
+            check_record(record)
+        except ValueError as e:
+            raise ValueError(f"line {number}: {e}") from None
+        records.append(record)
+    return records
+
+
+def check_record(record) -> None:
+    if not isinstance(record, dict):
+        raise ValueError("expected a JSON object")
+    kinds = [k for k in ("prompt", "messages", "text") if k in record]
+    if len(kinds) != 1:
+        raise ValueError('expected exactly one of {"prompt", "completion"}, {"messages"} or {"text"}')
+    allowed = {"prompt": {"prompt", "completion"}, "messages": {"messages"}, "text": {"text"}}[kinds[0]]
+    unknown = set(record) - allowed
+    if unknown:
+        raise ValueError(f"unknown fields {sorted(unknown)}")
+    if kinds[0] == "prompt":
+        if not isinstance(record["prompt"], str) or not isinstance(record.get("completion"), str):
+            raise ValueError('"prompt" and "completion" must both be strings')
+        if not record["completion"]:
+            raise ValueError('"completion" is empty')
+    elif kinds[0] == "text":
+        if not isinstance(record["text"], str) or not record["text"]:
+            raise ValueError('"text" must be a non-empty string')
+    else:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError('"messages" must be a non-empty list')
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise ValueError("messages has no assistant turn to learn from")
+
+
+def tokenize(record: dict, tokenizer) -> Example:
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    if "prompt" in record:
+        # The prompt is encoded alone, as the serving path encodes it, so training sees the same tokens.
+        prompt = tokenizer.encode(record["prompt"])
+        completion = tokenizer.encode(record["completion"], add_special_tokens=False) + eos
+        return Example(prompt + completion, [False] * len(prompt) + [True] * len(completion))
+    if "text" in record:
+        ids = tokenizer.encode(record["text"]) + eos
+        return Example(ids, [True] * len(ids))
+    return _tokenize_chat(record["messages"], tokenizer)
+
+
+def _tokenize_chat(messages: list[dict], tokenizer) -> Example:
+    """Renders growing prefixes of the conversation; an assistant turn's tokens are what its message adds
+    after the generation prompt of the turns before it."""
+    if tokenizer.chat_template is None:
+        raise ValueError("the model's tokenizer has no chat template; use prompt/completion or text records")
+
+    def encode(turns, generation_prompt):
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = encode(messages, False)
+    mask = [False] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix, upto = encode(messages[:i], True), encode(messages[:i + 1], False)
+        if ids[:len(upto)] != upto or upto[:len(prefix)] != prefix:
+            raise ValueError("the chat template does not render conversations prefix-consistently")
+        mask[len(prefix):len(upto)] = [True] * (len(upto) - len(prefix))
+    return Example(ids, mask)
+
+
+def tokenize_records(records: list[dict], tokenizer, max_len: int) -> list[Example]:
+    """ValueError naming the first record that is longer than the context or has nothing to learn."""
+    examples = []
+    for i, record in enumerate(records, start=1):
+        ex = tokenize(record, tokenizer)
+        if len(ex.token_ids) > max_len:
+            raise ValueError(f"example {i} is {len(ex.token_ids)} tokens, longer than the context length {max_len}")
+        if ex.num_target_tokens == 0:
+            raise ValueError(f"example {i} has no tokens to learn from")
+        examples.append(ex)
+    return examples

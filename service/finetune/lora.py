@@ -1,0 +1,183 @@
+"""LoRA adapters on the model's nn.Linear projections, for training and for serving several adapters at once.
+
+An adapter adds to a projection's output y = W x either a low-rank update (alpha / rank) * B A x (LoRA), or a
+dense update D x (full fine-tuning of the projection, D = W_tuned - W). The update is attached with a forward
+hook on each targeted nn.Linear: the module tree, checkpoint names and the captured decode CUDA graphs of the
+base model stay untouched, and the base weights are shared by every adapter.
+
+Which adapter applies to which rows is per thread (threading.local), so a training step in one worker thread
+and an engine step in another can run through the same modules at once:
+- training: `with activate([(adapter, None)])`, the adapter applies to every row;
+- serving: `with serving_adapters(model, names)` with one adapter name (or None = base) per flat token row;
+  each distinct adapter of the batch adds its update to its own rows (a loop over the few adapters present).
+"""
+import contextlib
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_local = threading.local()
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = TARGETS
+    full: bool = False  # a dense update per projection instead of a low-rank one
+
+    def __post_init__(self):
+        self.targets = tuple(self.targets)
+        unknown = set(self.targets) - set(TARGETS)
+        if unknown or not self.targets:
+            raise ValueError(f"target modules must be a non-empty subset of {TARGETS}, got {list(self.targets)}")
+        if not self.full and not 1 <= self.rank <= 1024:
+            raise ValueError(f"lora rank must be in 1..1024, got {self.rank}")
+        if not self.alpha > 0:
+            raise ValueError(f"lora alpha must be > 0, got {self.alpha}")
+
+    @property
+    def scale(self) -> float:
+        return 1.0 if self.full else self.alpha / self.rank
+
+
+class Adapter:
+    """The update of every targeted projection: weights[name] = (A [r, in], B [out, r]) or (D [out, in],)."""
+
+    def __init__(self, config: LoRAConfig, weights: dict[str, tuple[torch.Tensor, ...]]):
+        self.config, self.weights, self.scale = config, weights, config.scale
+
+    @classmethod
+    def init(cls, model: nn.Module, config: LoRAConfig, seed: int = 0) -> "Adapter":
+        """Trainable float32 weights (the master copy; cast to the model's dtype in the forward). B (or D)
+        starts at zero so the adapted model starts equal to the base."""
+        g = torch.Generator().manual_seed(seed)
+        weights = {}
+        for name, linear in target_linears(model, config.targets).items():
+            dev = linear.weight.device
+            if config.full:
+                weights[name] = (torch.zeros(linear.out_features, linear.in_features, device=dev),)
+            else:
+                a = torch.randn(config.rank, linear.in_features, generator=g) / linear.in_features ** 0.5
+                weights[name] = (a.to(dev), torch.zeros(linear.out_features, config.rank, device=dev))
+        for tensors in weights.values():
+            for t in tensors:
+                t.requires_grad_(True)
+        return cls(config, weights)
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for tensors in self.weights.values() for t in tensors]
+
+    def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        tensors = [t.to(x.dtype) for t in self.weights[name]]
+        if len(tensors) == 1:
+            return x @ tensors[0].t()
+        a, b = tensors
+        return (x @ a.t()) @ b.t() * self.scale
+
+    def to(self, device, dtype) -> "Adapter":
+        """A frozen copy for serving."""
+        return Adapter(self.config, {n: tuple(t.detach().to(device, dtype) for t in ts)
+                                     for n, ts in self.weights.items()})
+
+    def save(self, path, metadata: dict | None = None) -> None:
+        """Atomically (tmp file + os.replace), so a crash never leaves a half-written adapter."""
+        tensors = {}
+        for name, ts in self.weights.items():
+            keys = ("delta",) if self.config.full else ("lora_A", "lora_B")
+            tensors |= {f"{name}.{k}": t.detach().float().cpu().contiguous() for k, t in zip(keys, ts)}
+        meta = {"lora_config": json.dumps(asdict(self.config)), **(metadata or {})}
+        tmp = f"{path}.tmp"
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path, device, dtype) -> "Adapter":
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            config = LoRAConfig(**json.loads(f.metadata()["lora_config"]))
+            keys = ("delta",) if config.full else ("lora_A", "lora_B")
+            names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
+            weights = {n: tuple(f.get_tensor(f"{n}.{k}").to(dtype) for k in keys) for n in names}
+        return cls(config, weights)
+
+
+def target_linears(model: nn.Module, targets=TARGETS) -> dict[str, nn.Linear]:
+    found = {name: m for name, m in model.named_modules()
+             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets}
+    if not found:
+        raise ValueError(f"the model has no nn.Linear named any of {list(targets)}")
+    return found
+
+
+def _hook(module, inputs, output):
+    active = getattr(_local, "active", None)
+    if not active:
+        return None
+    x = inputs[0]
+    for adapter, rows in active:
+        if module._lora_name not in adapter.weights:
+            continue
+        if rows is None:
+            output = output + adapter.delta(module._lora_name, x)
+        else:
+            output = output.index_add(0, rows, adapter.delta(module._lora_name, x[rows]))
+    return output
+
+
+def install(model: nn.Module) -> None:
+    """Hooks every projection adapters may target (idempotent); without an active adapter a hook returns at
+    once. Also gives the model its registry of served adapters, model.lora_adapters."""
+    if hasattr(model, "lora_adapters"):
+        return
+    for name, linear in target_linears(model).items():
+        linear._lora_name = name
+        linear.register_forward_hook(_hook)
+    model.lora_adapters = {}
+
+
+def has_adapter(model: nn.Module, name: str) -> bool:
+    return name in getattr(model, "lora_adapters", {})
+
+
+def add_adapter(model: nn.Module, name: str, adapter: Adapter) -> None:
+    """Serves `adapter` under `name` from now on (a dict assignment: safe while steps run)."""
+    install(model)
+    missing = set(adapter.weights) - set(target_linears(model))
+    if missing:
+        raise ValueError(f"adapter targets modules the model lacks: {sorted(missing)[:3]}")
+    model.lora_adapters = {**model.lora_adapters, name: adapter}
+
+
+def remove_adapter(model: nn.Module, name: str) -> None:
+    model.lora_adapters = {k: v for k, v in getattr(model, "lora_adapters", {}).items() if k != name}
+
+
+@contextlib.contextmanager
+def activate(active: list[tuple[Adapter, torch.Tensor | None]]):
+    """Applies the adapters to the forwards run by this thread inside the block."""
+    previous = getattr(_local, "active", None)
+    _local.active = active
+    try:
+        yield
+    finally:
+        _local.active = previous
+
+
+def serving_adapters(model: nn.Module, token_adapters: list[str | None], device):
+    """For the engine: a context that applies token_adapters[i] (a served adapter's name, or None for the base
+    model) to flat token row i of the forwards inside it."""
+    if not any(token_adapters):
+        return activate([])
+    registry = model.lora_adapters
+    rows: dict[str, list[int]] = {}
+    for i, name in enumerate(token_adapters):
+        if name is not None:
+            rows.setdefault(name, []).append(i)
+    return activate([(registry[name], torch.tensor(r, device=device)) for name, r in rows.items()])
