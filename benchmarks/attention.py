@@ -41,6 +41,7 @@ def _flex():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     torch._dynamo.config.cache_size_limit = 256
+    torch._functorch.config.donated_buffer = False  # the benchmark replays backward on one graph (retain_graph)
     compiled = torch.compile(flex_attention)
     masks = {}
 

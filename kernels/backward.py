@@ -210,7 +210,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqle
 
 
 def _config(table, head_dim_padded):
-    return table[256] if head_dim_padded >= 256 else table[128]
+    return table[min(d for d in table if d >= head_dim_padded)]
 
 
 def flash_attn_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

@@ -41,14 +41,17 @@ DECODE_NUM_WARPS = 1 if INTERPRET else 4
 DECODE_NUM_STAGES = 1 if INTERPRET else 3
 
 # ---------------------------------------------------------------------------------------------------------
-# Training backward (kernels/backward.py), one fixed config per kernel keyed by padded head_dim (128 covers
-# every head_dim <= 128). dK/dV holds a K/V block of BLOCK_N keys and streams BLOCK_M queries; dQ the reverse.
+# Training backward (kernels/backward.py), one fixed config per kernel keyed by padded head_dim (the smallest key
+# >= it). dK/dV holds a K/V block of BLOCK_N keys and streams BLOCK_M queries; dQ the reverse. Picked by a sweep
+# on the H100 (bf16, 16k tokens, hidden 2048; see benchmarks/results/attention.json for what they reach).
 # ---------------------------------------------------------------------------------------------------------
 if INTERPRET:
-    BACKWARD_DKDV = {d: triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1) for d in (128, 256)}
+    BACKWARD_DKDV = {d: triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1) for d in (64, 128, 256)}
     BACKWARD_DQ = BACKWARD_DKDV
 else:
-    BACKWARD_DKDV = {128: triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=2),
+    BACKWARD_DKDV = {64: triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),
+                     128: triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3),
                      256: triton.Config({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=1)}
-    BACKWARD_DQ = {128: triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=2),
+    BACKWARD_DQ = {64: triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
+                   128: triton.Config({"BLOCK_M": 128, "BLOCK_N": 64}, num_warps=8, num_stages=3),
                    256: triton.Config({"BLOCK_M": 64, "BLOCK_N": 32}, num_warps=8, num_stages=1)}
