@@ -69,10 +69,12 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dic
     for i, (p, n) in enumerate(zip(prompts, new_tokens)):
         engine.add_request(f"b{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
                                                        detokenize=False))
-    first, generated, decode_steps = {}, 0, []
+    first, generated, decode_steps, step_times = {}, 0, [], []
     while engine.has_work:
+        t = time.perf_counter()
         outputs, stats = engine.step()
         now = time.perf_counter()
+        step_times.append(now - t)
         for out in outputs:
             first.setdefault(out.request_id, now - start)
         generated += len(outputs)
@@ -84,7 +86,8 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dic
     full = [t for b, t in decode_steps if b == max(b for b, _ in decode_steps)] if decode_steps else [0.0]
     return {"seconds": elapsed, "tokens": generated, "tok_per_s": generated / elapsed,
             "ttft_median_ms": 1e3 * ttft[len(ttft) // 2], "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
-            "decode_step_median_ms": 1e3 * sorted(full)[len(full) // 2]}
+            "decode_step_median_ms": 1e3 * sorted(full)[len(full) // 2], "steps": len(step_times),
+            "step_seconds_total": sum(step_times), "step_max_ms": 1e3 * max(step_times)}
 
 
 def run_hf(model, batch: int, new_tokens: int) -> dict:
@@ -118,9 +121,7 @@ def main():
         results["engine_startup_s"] = time.perf_counter() - t
         g = torch.Generator().manual_seed(0)
         rand = lambda n: torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
-        # Warm-up: compile kernels and autotune the prefill kernel for every query-length bucket used below.
-        for bucket in range(1, 12):
-            run_engine(llm, [rand(2 ** bucket)], [2])
+        # The engine tuned its prefill buckets at start-up; one small batch settles the rest.
         run_engine(llm, [rand(PROMPT_LEN) for _ in range(8)], [16] * 8)
         for batch in batches:
             r = run_engine(llm, [rand(PROMPT_LEN) for _ in range(batch)], [new_tokens] * batch)

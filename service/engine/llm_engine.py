@@ -1,5 +1,6 @@
 """The synchronous engine: loads the model, owns the KV cache, scheduler, runner and sampler, and advances
 every live request by one step at a time. AsyncEngine and LLM drive it."""
+import gc
 import logging
 import threading
 import time
@@ -69,10 +70,14 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, settings.block_size, settings.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, settings.max_num_seqs, settings.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.block_manager, self.max_model_len,
-                                  settings.max_num_seqs, settings.cuda_graphs)
+                                  settings.max_num_seqs, settings.max_num_batched_tokens, settings.cuda_graphs)
         self.sampler = Sampler()
         self.requests: dict[str, Sequence] = {}
         self.lock = threading.Lock()  # add/abort (event loop) vs step (worker thread)
+        # Weights' metadata, the tokenizer and compiled kernels live as long as the engine: freezing them keeps
+        # the garbage collector from rescanning them in pauses between steps.
+        gc.collect()
+        gc.freeze()
 
     # -- setup -------------------------------------------------------------------------------------------
     def _num_kv_blocks(self, cfg: ModelConfig, dtype) -> int:

@@ -18,7 +18,8 @@ def decode_num_splits(batch_size: int, nheads_k: int, sm_count: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_manager, max_model_len: int, max_num_seqs: int, cuda_graphs: bool):
+    def __init__(self, model, kv_cache, block_manager, max_model_len: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, cuda_graphs: bool):
         self.model = model
         self.kv_cache = kv_cache
         self.block_manager = block_manager
@@ -29,6 +30,8 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
             if self.device.type == "cuda" else 1
+        if self.device.type == "cuda":
+            self._warm_up_prefill(min(max_num_batched_tokens, max_model_len))
         if cuda_graphs and self.device.type == "cuda":
             self._capture_graphs(max_num_seqs)
 
@@ -80,6 +83,26 @@ class ModelRunner:
             hidden = self.model(self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta)
         return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
 
+    @torch.inference_mode()
+    def _warm_up_prefill(self, max_tokens: int):
+        """One throwaway prefill per query-length bucket of the prefill kernel's autotuner (powers of two up to
+        the step budget): tuning and compiling a bucket takes seconds, which belongs to start-up, not to the
+        first request that reaches that length. Slots are -1, so the cache is never written."""
+        lengths = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
+        block_size = self.block_manager.block_size
+        for n in lengths:
+            ids = torch.zeros(n, dtype=torch.long, device=self.device)
+            cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
+            meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                                     block_table=torch.zeros(1, -(-n // block_size), dtype=torch.int32,
+                                                             device=self.device),
+                                     seqlens_k=cu[1:], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
+                                     max_seqlen_k=n)
+            hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+            self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        log.info("warmed up prefill for query lengths %s", lengths)
+
     # -- CUDA graphs for decode --------------------------------------------------------------------------
     def _capture_graphs(self, max_num_seqs: int):
         sizes = [bs for bs in GRAPH_BATCH_SIZES if bs < max_num_seqs] + [max_num_seqs]
@@ -115,6 +138,7 @@ class ModelRunner:
                     self.graph_logits[bs] = forward()
                 pool = graph.pool() if pool is None else pool
                 s["seqlens_k"].zero_()
+                graph.replay()  # the first replay uploads the graph: pay for it here, not in a request
             self.graphs[bs] = graph
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))

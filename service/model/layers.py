@@ -1,9 +1,37 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP."""
+"""Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
+
+Their elementwise math runs eagerly as a handful of small kernels each; a decode step of a small model is bound
+by those launches, not by bytes, so on CUDA inference (no autograd) the same functions run through
+torch.compile, which fuses each into one kernel. Training and CPU keep the eager path.
+"""
 import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+
+def fused(fn):
+    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd."""
+    compiled = None
+
+    def run(x, *args):
+        nonlocal compiled
+        if not x.is_cuda or torch.is_grad_enabled():
+            return fn(x, *args)
+        if compiled is None:
+            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        return compiled(x, *args)
+    return run
+
+
+@fused
+def _rms_norm(x, weight, eps: float):
+    # Normalize in float32 and round before scaling, as the reference implementations do.
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -13,11 +41,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        # Normalize in float32 and round before scaling, as the reference implementations do.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -52,13 +76,23 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions, q, k):
         """q/k [..., tokens, heads, head_dim] with positions [..., tokens]."""
-        cos, sin = self.cos_sin[positions].unsqueeze(-2).to(q.dtype).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _apply_rope(q, k, positions, self.cos_sin)
+
+
+@fused
+def _apply_rope(q, k, positions, cos_sin):
+    cos, sin = cos_sin[positions].unsqueeze(-2).to(q.dtype).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x, cos, sin):
     x1, x2 = x.chunk(2, dim=-1)  # the half-split layout of HF checkpoints
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@fused
+def _silu_mul(gate, up):
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -69,4 +103,4 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_silu_mul(self.gate_proj(x), self.up_proj(x)))
