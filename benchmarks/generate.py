@@ -103,7 +103,7 @@ def run_hf(model, batch: int, new_tokens: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 32, 64 new tokens, no mixed workload")
     args = parser.parse_args()
     out = Path(args.out)

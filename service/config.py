@@ -1,5 +1,5 @@
 """Every setting of the service, from the command line (--model ...) or the environment (LLM_MODEL=...)."""
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 
@@ -14,7 +14,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(None, description="context length (default: the model's)")
 
     # KV cache and scheduling
-    block_size: int = 16
+    block_size: int = Field(16, description="tokens per KV block: a power of two, 16..256 (the kernels' range)")
     num_kv_blocks: int | None = Field(None, description="explicit KV block count (default: sized from memory)")
     gpu_memory_utilization: float = Field(0.90, gt=0, le=1)
     cpu_kv_cache_bytes: int = Field(256 << 20, description="KV cache budget on CPU")
@@ -38,6 +38,19 @@ class Settings(BaseSettings):
     finetune_max_file_bytes: int = Field(32 << 20, gt=0, description="largest training file accepted")
     finetune_duty_cycle: float = Field(0.5, gt=0, le=1, description="most of the time training may take while "
                                        "requests are being served")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _empty_model_is_default(cls, value):
+        # Compose passes LLM_MODEL through as "" when the host leaves it unset.
+        return value or None
+
+    @field_validator("block_size")
+    @classmethod
+    def _block_size_in_kernel_range(cls, value: int) -> int:
+        if not 16 <= value <= 256 or value & (value - 1):
+            raise ValueError(f"block_size must be a power of two in 16..256, got {value}")
+        return value
 
 
 def load_settings(argv: list[str] | None = None) -> Settings:

@@ -1,4 +1,4 @@
-"""The Prometheus series of the service (names fixed by notes/metrics.md and the Grafana dashboard).
+"""The Prometheus series of the service (the Grafana dashboards in docker/grafana query these names).
 
 One Metrics object per app holds its own CollectorRegistry. The engine feeds it StepStats after every step;
 the HTTP layer times each request with a RequestTimer; gauges that describe the present (queue, KV cache,

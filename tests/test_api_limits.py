@@ -233,3 +233,14 @@ def test_api_key():
 def test_bad_api_key_routes_setting():
     with pytest.raises(ValueError, match="unknown route groups"):
         create_app(Settings(api_key_routes="generate,everything"))
+
+
+@pytest.mark.parametrize("block_size", [8, 24, 512])
+def test_block_size_outside_the_kernels_range_is_a_settings_error(block_size):
+    with pytest.raises(ValueError, match="block_size must be a power of two"):
+        Settings(block_size=block_size)
+
+
+def test_empty_model_env_means_the_default_model(monkeypatch):
+    monkeypatch.setenv("LLM_MODEL", "")
+    assert Settings().model is None

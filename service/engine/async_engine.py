@@ -1,5 +1,5 @@
 """The engine for the HTTP server: a background asyncio task steps LLMEngine in a worker thread and fans the
-tokens out to one asyncio.Queue per request. Contract: /work/notes/engine_contract.md."""
+tokens out to one asyncio.Queue per request."""
 import asyncio
 import logging
 from typing import AsyncIterator, Callable
@@ -11,6 +11,17 @@ from service.engine.sampling_params import SamplingParams
 
 __all__ = ["AsyncEngine", "EngineOverloaded", "EngineStepError", "RequestRejected"]
 log = logging.getLogger(__name__)
+
+
+async def cancel_and_wait(task: asyncio.Task | None) -> None:
+    """Cancels a background task and waits until it has unwound (its finally blocks ran)."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 class AsyncEngine:
@@ -63,13 +74,8 @@ class AsyncEngine:
         for request_id in list(self._queues):
             self.engine.abort(request_id)
             self._queues.pop(request_id).put_nowait(EngineStepError("the engine shut down", [request_id]))
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         self.ready = False
 
     async def _loop(self) -> None:

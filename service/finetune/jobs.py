@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from service.engine.async_engine import cancel_and_wait
 from service.finetune.data import parse_jsonl, tokenize_records
 from service.finetune.lora import TARGETS, Adapter, LoRAConfig, add_adapter
 from service.finetune.trainer import StepResult, Trainer, TrainConfig, TrainingDiverged
@@ -96,13 +97,8 @@ class JobManager:
         self._task = asyncio.create_task(self._worker(), name="finetune-worker")
 
     async def shutdown(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def served_models(self) -> list[str]:
         return [j["fine_tuned_model"] for j in self.jobs.values() if j["status"] == "succeeded"]
