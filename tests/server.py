@@ -21,11 +21,12 @@ START_TIMEOUT = 120
 
 
 @contextmanager
-def serve(**settings) -> Iterator[str]:
-    """Yields the base URL (http://127.0.0.1:PORT) of a running server with these Settings fields."""
+def serve(engine=None, **settings) -> Iterator[str]:
+    """Yields the base URL (http://127.0.0.1:PORT) of a running server with these Settings fields (serving
+    `engine`, an AsyncEngine, when given; else one loaded from the settings)."""
     finetune_dir = tempfile.mkdtemp(prefix="llm-serve-test-")
     settings = Settings(**{"device": "cpu", "cuda_graphs": False, "finetune_dir": finetune_dir, **settings})
-    app = create_app(settings)
+    app = create_app(settings, engine)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
                                            timeout_graceful_shutdown=10))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)

@@ -244,3 +244,31 @@ def test_block_size_outside_the_kernels_range_is_a_settings_error(block_size):
 def test_empty_model_env_means_the_default_model(monkeypatch):
     monkeypatch.setenv("LLM_MODEL", "")
     assert Settings().model is None
+
+
+def test_a_failing_engine_step_is_a_500_and_the_service_keeps_serving():
+    from service.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.from_settings(Settings(device="cpu", cuda_graphs=False, cpu_kv_cache_bytes=16 << 20))
+    body = {"inputs": "def f():", "parameters": {"max_new_tokens": 4}}
+    with serve(engine=engine) as url:
+        runner = engine.engine.runner
+        run = runner.run
+
+        def fail(*args):
+            raise RuntimeError("injected fault")
+        runner.run = fail
+        try:
+            plain = httpx.post(f"{url}/generate", json=body, timeout=60)
+            with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
+                events = [json.loads(e) for e in sse_events(stream)]
+        finally:
+            runner.run = run
+        assert plain.status_code == 500 and "injected fault" in plain.json()["error"]
+        assert events[-1]["error_type"] == "generation" and "injected fault" in events[-1]["error"]
+        after = httpx.post(f"{url}/generate", json=body, timeout=60)
+        assert after.status_code == 200 and after.json()["generated_text"]
+        m = scrape(url)
+        assert requests_total(m, "generate", "internal_error") == 1
+        assert requests_total(m, "generate_stream", "internal_error") == 1
+        assert m[("llm_kv_cache_usage_ratio", ())] == 0
