@@ -54,7 +54,9 @@ def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, 
 
 @triton.autotune(configs=PREFILL_CONFIGS, key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "seqlen_bucket"],
                  prune_configs_by={"early_config_prune": prune_prefill_configs})
-@triton.jit
+# total_q changes with every batch: specializing on it (== 1, divisible by 16) would compile new variants of a
+# tuned config in the middle of serving, a second or more each.
+@triton.jit(do_not_specialize=["total_q"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
                     qk_scale, total_q, seqlen_bucket, group_size,
                     stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_k_blk,
