@@ -33,6 +33,7 @@ CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_s
 TRAIN_SHAPES = [(8, 512), (4, 2048), (16, 1024)]  # (sequences per micro-batch, tokens per sequence)
 LORA = LoRAConfig(rank=16, alpha=32)
 STREAMS, PROMPT_TOKENS, NEW_TOKENS = 8, 128, 256
+WINDOW_SECONDS = 10  # serving window per condition: long enough for the job's counters to move
 
 
 def write_model(path: Path) -> Path:
@@ -137,7 +138,9 @@ async def bench_serving(model_dir: Path, finetune_dir: Path) -> tuple[list[dict]
                 await asyncio.sleep(0.1)
         tokens_before = job["trained_tokens"] if job else 0
         start = time.perf_counter()
-        gaps = await decode_gaps(engine)
+        gaps = []
+        while not gaps or time.perf_counter() - start < WINDOW_SECONDS:  # several optimizer steps of the job
+            gaps += await decode_gaps(engine)
         seconds = time.perf_counter() - start
         row = {"condition": label, **percentiles(gaps), "decode_tokens_per_s": len(gaps) / seconds}
         if job is not None:
