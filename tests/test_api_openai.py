@@ -87,8 +87,9 @@ def test_huggingface_hub_chat_completion(base_url):
     from huggingface_hub import InferenceClient
 
     client = InferenceClient(base_url=base_url)  # sends model="dummy", which means the served model
-    out = client.chat_completion(MESSAGES, max_tokens=3)
-    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 3
+    out = client.chat_completion(MESSAGES, max_tokens=3)  # sampled: EOS may come before the limit
+    finish, tokens = out.choices[0].finish_reason, out.usage.completion_tokens
+    assert (finish, tokens) == ("length", 3) or (finish == "stop" and 1 <= tokens <= 3)
     chunks = list(client.chat_completion(MESSAGES, max_tokens=3, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) and chunks[-1].choices[0].finish_reason
 

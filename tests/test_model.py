@@ -6,7 +6,7 @@ import torch
 from helpers import rel_err
 from service.model.attention import AttentionMetadata
 from service.model.loader import load_model
-from tiny_models import KINDS, make_tiny_model
+from tiny_models import KINDS, VOCAB, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=KINDS)
@@ -78,7 +78,7 @@ def paged_run(model, prompts, num_decode, block_size=16, device="cpu"):
 def check_against_hf(kind, path, dtype, device, tol):
     model = load_model(path, dtype, device)
     ref = hf_model(path, dtype, device)
-    prompts = [torch.randint(0, 3072, (n,)).tolist() for n in (1, 17, 40)]
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (1, 17, 40)]
     logits, seqs = paged_run(model, prompts, num_decode=4, device=device)
     for b, seq in enumerate(seqs):
         with torch.inference_mode():
@@ -96,7 +96,7 @@ def test_training_forward_matches_and_is_differentiable(checkpoint):
     kind, path = checkpoint
     model = load_model(path, torch.float32, "cpu")
     ref = hf_model(path, torch.float32, "cpu")
-    ids = torch.randint(0, 3072, (2, 12))
+    ids = torch.randint(0, VOCAB, (2, 12))
     logits = model.forward_train(ids)
     with torch.no_grad():
         expected = ref(ids).logits
@@ -128,7 +128,7 @@ def test_triton_backend_matches_reference(monkeypatch, tmp_path):
 
     path = make_tiny_model("qwen2", tmp_path)
     model = load_model(path, torch.float32, "cpu")
-    prompts = [torch.randint(0, 3072, (n,)).tolist() for n in (3, 21)]
+    prompts = [torch.randint(0, VOCAB, (n,)).tolist() for n in (3, 21)]
     torch.manual_seed(0)
     expected, seqs = paged_run(model, prompts, num_decode=2)
     monkeypatch.setattr(attention, "use_triton", lambda device: True)

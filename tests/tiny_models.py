@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "service" / "default_model"
-VOCAB = 3072  # the embedded tokenizer's
+VOCAB = 4096  # the embedded tokenizer's
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2)
 KINDS = ("llama", "qwen2", "qwen3")

@@ -26,7 +26,6 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from service.default_model.make_untrained import CHAT_TEMPLATE, SPECIAL
 from service.finetune.data import tokenize
 from service.finetune.trainer import loss_sum
 from service.model import LlamaForCausalLM, ModelConfig
@@ -37,6 +36,9 @@ FORTUNES = Path("/usr/share/games/fortunes")
 SEPARATOR = "\n%\n"
 EXCLUDED = {"ethnic", "men-women"}  # stereotype jokes: not what a demo model should babble
 VOCAB_SIZE = 4096
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # bos/pad, turn start, eos (turn end)
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MAX_TOKENS = 384  # longer fortunes are cut (a few long poems)
 CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB_SIZE, "hidden_size": 320,
