@@ -64,11 +64,9 @@ class Metrics:
         self.finetune_tokens_per_second = Gauge("llm_finetune_tokens_per_second", "Training throughput of the "
                                                 "running job", registry=r)
         self.finetune_loss = Gauge("llm_finetune_loss", "Last training loss", registry=r)
-        self.last_step_seconds = 0.0
 
     def record_step(self, stats: StepStats) -> None:
         """Engine step listener."""
-        self.last_step_seconds = stats.step_seconds
         self.step_time.observe(stats.step_seconds)
         self.batch_size.set(stats.batch_size)
         self.running.set(stats.num_running)
@@ -121,15 +119,14 @@ class RequestTimer:
         self.last_token: float | None = None
         self.generated_tokens = 0
 
-    def on_token(self) -> None:
+    def on_token(self, queue_seconds: float | None = None) -> None:
+        """queue_seconds: the engine's wait before first scheduling, reported with the first token."""
         now = time.perf_counter()
         m = self.metrics
         if self.last_token is None:
-            ttft = now - self.arrival
-            m.time_to_first_token.observe(ttft)
-            # The engine does not report when a request was scheduled; the step that produced the first
-            # token also ran its (last) prefill chunk, so waiting time is about TTFT minus that step.
-            m.queue_time.observe(max(0.0, ttft - m.last_step_seconds))
+            m.time_to_first_token.observe(now - self.arrival)
+            if queue_seconds is not None:
+                m.queue_time.observe(queue_seconds)
         else:
             m.inter_token_latency.observe(now - self.last_token)
         self.last_token = now

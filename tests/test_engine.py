@@ -10,7 +10,7 @@ from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.llm import LLM
 from service.engine.sampler import Sampler
 from service.engine.sampling_params import SamplingParams
-from tiny_models import make_tiny_model
+from tiny_models import VOCAB, make_tiny_model
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -32,11 +32,11 @@ def assert_no_leaks(llm):
 @pytest.fixture(scope="module")
 def prompts():
     g = torch.Generator().manual_seed(1)
-    shared = torch.randint(3, 3072, (40,), generator=g).tolist()  # prefix of half the prompts: cache hits
+    shared = torch.randint(3, VOCAB, (40,), generator=g).tolist()  # prefix of half the prompts: cache hits
     out = []
     for i in range(32):
         n = int(torch.randint(1, 70, (1,), generator=g))
-        tail = torch.randint(3, 3072, (n,), generator=g).tolist()
+        tail = torch.randint(3, VOCAB, (n,), generator=g).tolist()
         out.append(shared + tail if i % 2 else tail)
     return out
 
@@ -102,6 +102,22 @@ def test_sampling_seeds_stops_and_lengths(model_dir):
     with_logprobs = llm.generate([prompt], SamplingParams(max_new_tokens=3, temperature=0.0, logprobs=True,
                                                           top_logprobs=2))[0]
     assert with_logprobs.token_ids == base.token_ids[:3]
+    assert_no_leaks(llm)
+
+
+def test_first_token_reports_time_spent_waiting(model_dir):
+    llm = make_llm(model_dir, max_num_seqs=1)
+    engine = llm.engine
+    engine.add_request("first", [1, 2, 3], GREEDY)
+    engine.add_request("second", [4, 5, 6], GREEDY)
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()[0]
+    by_request = {rid: [o for o in outputs if o.request_id == rid] for rid in ("first", "second")}
+    for outs in by_request.values():
+        assert outs[0].queue_seconds is not None and all(o.queue_seconds is None for o in outs[1:])
+    # one sequence per step: "second" waited while all ten steps of "first" ran
+    assert by_request["second"][0].queue_seconds > by_request["first"][0].queue_seconds
     assert_no_leaks(llm)
 
 
@@ -266,11 +282,32 @@ def test_adapters_are_served_per_request(model_dir):
     assert_no_leaks(llm)
 
 
-def test_default_model_generates():
+def test_default_model_is_trained_and_generates():
+    """The embedded model (trained on the fortune files) serves with no model given: greedy decoding is
+    deterministic and ends a fortune with EOS, and it predicts held-out fortunes far better than chance."""
+    import gzip
+    import math
+
+    from service.finetune.data import tokenize
+    from service.finetune.trainer import loss_sum
+
     llm = LLM(None, device="cpu")
-    out = llm.generate(["def main():"], SamplingParams(max_new_tokens=5, temperature=0.0, ignore_eos=True))[0]
-    assert len(out.token_ids) == 5 and isinstance(out.text, str)
-    assert "untrained" in (llm.engine.model_dir / "README.md").read_text()
+    engine = llm.engine
+    assert engine.model_dir.name == "default_model"
+    cfg = engine.model.config
+    assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (4096, 6, 320)
+    assert len(engine.tokenizer) == cfg.vocab_size == VOCAB
+    params = SamplingParams(max_new_tokens=40, temperature=0.0)
+    first, again = (llm.generate(["Never trust a"], params)[0] for _ in range(2))
+    assert first.token_ids == again.token_ids and first.text == again.text
+    assert 0 < len(first.token_ids) < 40 and first.finish_reason == "eos_token"
+    assert first.text.strip() and first.text.isascii()
+    # train_default.py holds out the corpus's first 2%: its loss there was ~4.3 nats/token; chance is ln 4096 = 8.3
+    texts = gzip.decompress((engine.model_dir / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
+    examples = [tokenize({"text": t}, engine.tokenizer) for t in texts[:16]]
+    with torch.no_grad():
+        loss, n = loss_sum(engine.model, examples, "cpu")
+    assert loss.item() / n < 5.0 < math.log(cfg.vocab_size)
 
 
 @pytest.mark.gpu

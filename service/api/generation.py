@@ -93,7 +93,7 @@ class Generation:
         try:
             async with aclosing(self._stream) as stream:
                 async for out in stream:
-                    self.timer.on_token()
+                    self.timer.on_token(out.queue_seconds)
                     if out.finished:
                         self.outcome = "success"
                     yield out

@@ -253,7 +253,8 @@ class LLMEngine:
                 special=token in self.special_ids, index=n_out - 1, finished=reason is not None,
                 finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                 cached_prompt_tokens=seq.num_cached_prompt_tokens,
-                top_logprobs=sampled.top_logprobs[i] if sampled.top_logprobs is not None else None))
+                top_logprobs=sampled.top_logprobs[i] if sampled.top_logprobs is not None else None,
+                queue_seconds=seq.queue_seconds if n_out == 1 else None))
             if reason is not None:
                 self.requests.pop(seq.request_id, None)
                 self.scheduler.free(seq)

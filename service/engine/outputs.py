@@ -15,6 +15,7 @@ class TokenOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     top_logprobs: list[tuple[int, float]] | None = None
+    queue_seconds: float | None = None  # on the first token: how long the request waited to be scheduled
 
 
 @dataclass

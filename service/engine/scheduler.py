@@ -6,6 +6,7 @@ running sequence needs a block and none is free, the newest running sequences ar
 are freed and they go back to the front of the queue, to be recomputed later (prefix caching usually finds
 their blocks again).
 """
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -96,6 +97,7 @@ class Scheduler:
             cached = bm.allocate(seq.request_id, seq.cache_keys)
             if not seq.admitted:
                 seq.num_cached_prompt_tokens, seq.admitted = cached, True
+                seq.queue_seconds = time.perf_counter() - seq.arrival
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)

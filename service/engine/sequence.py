@@ -1,5 +1,6 @@
 """One request's state as it moves through the engine."""
 import enum
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     admitted: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    queue_seconds: float | None = None  # arrival until first scheduled
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
