@@ -60,7 +60,7 @@ def test_return_full_text_and_stop(client):
     stop = text[len(text) // 2:][:3]
     out = client.text_generation(PROMPT, max_new_tokens=6, stop=[stop], details=True)
     assert out.details.finish_reason == "stop_sequence"
-    assert out.generated_text == text[:text.index(stop)]  # the stop sequence itself is not returned
+    assert out.generated_text == text[:text.index(stop) + len(stop)]  # as TGI: the stop sequence is returned
 
 
 def test_decoder_input_details_lists_the_prompt(client):

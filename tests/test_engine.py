@@ -170,6 +170,14 @@ def test_detokenizer_utf8_and_stop_holdback(model_dir):
         if hit:
             break
     assert hit and out == text[:text.index("f(x")]
+    detok = IncrementalDetokenizer(tok, [1], ["f(x"], include_stop=True)  # TGI's semantics
+    out, hit = "", False
+    for t in ids:
+        piece, hit = detok.add(t)
+        out += piece
+        if hit:
+            break
+    assert hit and out == text[:text.index("f(x") + len("f(x")]
 
 
 def test_async_engine_streams_aborts_and_errors(model_dir):

@@ -33,7 +33,7 @@ def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
         max_new_tokens=max_new_tokens,
         temperature=(p.temperature or 1.0) if sample else 0.0,
         top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
-        seed=seed if sample else None, stop=p.stop or [], logprobs=True)
+        seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True)
 
 
 def _token(out: TokenOutput) -> dict:

@@ -5,9 +5,9 @@ class IncrementalDetokenizer:
     """Turns generated tokens into text pieces. Decodes a short window of recent tokens so that merges across
     token boundaries come out right, and emits nothing while the window ends in an incomplete UTF-8
     character. Text that could be the start of a stop string is held back until it is known not to be one;
-    the stop string itself is never emitted."""
+    the text after a stop string is never emitted, the stop string itself only with include_stop."""
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False):
         # The Rust tokenizer directly: the transformers wrapper costs more than the decode itself.
         self.decoder = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
         self.tokens = list(prompt_token_ids[-6:])  # context for the first generated tokens' spacing
@@ -16,6 +16,7 @@ class IncrementalDetokenizer:
         self.text = ""  # all generated text so far
         self.emitted = 0  # chars of self.text already returned
         self.stop = [s for s in stop if s]
+        self.include_stop = include_stop
 
     def _decode(self, ids) -> str:
         return self.decoder.decode(ids, skip_special_tokens=True)
@@ -31,9 +32,10 @@ class IncrementalDetokenizer:
         if self.stop:
             # A stop string can only end inside the text added since the last check.
             lo = max(0, self.emitted - max(map(len, self.stop)))
-            hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((self.text.find(s, lo), s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                start, length = min(hits)
+                self.text = self.text[:start + length if self.include_stop else start]
                 return self.flush(), True
         end = len(self.text) - self._stop_prefix_len()
         piece = self.text[self.emitted:end] if end > self.emitted else ""

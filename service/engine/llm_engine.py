@@ -162,7 +162,8 @@ class LLMEngine:
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop), generator, adapter)
+                       IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.stop,
+                                              params.include_stop_str_in_output), generator, adapter)
         with self.lock:
             if request_id in self.requests:
                 raise RequestRejected(f"request id {request_id!r} is already in use")

@@ -11,6 +11,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None  # same seed -> same tokens
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # TGI returns the stop string, OpenAI does not
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False  # report the sampled token's logprob
