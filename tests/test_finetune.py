@@ -155,18 +155,23 @@ def _greedy(client, model, prompt=PROMPTS[-1]) -> str:
     return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
 
 
-@pytest.fixture(scope="module")
-def trained(server):
-    """The job that teaches the model PHRASE (run once, shared by the tests that look at its results)."""
-    client = _client(server)
+def _teach_phrase(base_url, n_epochs=40):
+    """Uploads TRAINING and runs the job that teaches the served model PHRASE: (base model, upload, job)."""
+    client = _client(base_url)
     upload = client.files.create(file=("phrase.jsonl", TRAINING), purpose="fine-tune")
     base = client.models.list().data[0].id
     job = client.fine_tuning.jobs.create(
         model=base, training_file=upload.id, validation_file=upload.id, suffix="walrus", seed=7,
-        hyperparameters={"n_epochs": 40, "batch_size": 4, "learning_rate_multiplier": 10},
+        hyperparameters={"n_epochs": n_epochs, "batch_size": 4, "learning_rate_multiplier": 10},
         extra_body={"extra": {"lora_rank": 8, "gradient_accumulation_steps": 2}})
     assert job.status == "queued" and job.object == "fine_tuning.job"
     return base, upload, _wait(client, job.id)
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """The job that teaches the model PHRASE (run once, shared by the tests that look at its results)."""
+    return _teach_phrase(server)
 
 
 def test_fine_tuned_model_says_the_phrase_the_base_does_not(server, trained):
@@ -336,3 +341,21 @@ def test_a_training_step_runs_our_triton_forward_and_backward(tokenizer, monkeyp
     monkeypatch.setattr(service.model.attention, "use_triton", lambda device: False)
     ref_loss, ref_grads = _adapter_grads(model, examples, adapter)
     assert rel_err(loss, ref_loss) < 1e-3 and rel_err(grads, ref_grads) < 1e-2
+
+
+@pytest.mark.gpu
+def test_the_openai_flow_teaches_a_qwen_shaped_model_on_the_gpu(tmp_path):
+    """The CPU flow above at the issue's size: a Qwen2.5-0.5B-shaped random bf16 model served on the GPU with
+    CUDA graphs, trained by a job through our Triton kernels while the server runs."""
+    from benchmarks.generate import write_checkpoint
+
+    model = tmp_path / "qwen"
+    model.mkdir()
+    write_checkpoint(model)
+    with serve(model=str(model), device="cuda", cuda_graphs=True, gpu_memory_utilization=0.5, max_model_len=2048,
+               finetune_dir=str(tmp_path / "finetune")) as url:
+        base, _, job = _teach_phrase(url, n_epochs=100)
+        assert job.status == "succeeded", job.error
+        client = _client(url)
+        assert _greedy(client, job.fine_tuned_model).startswith(PHRASE[:20])
+        assert PHRASE[:12] not in _greedy(client, base)
