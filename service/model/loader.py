@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from tqdm import tqdm
 
 from service.model.config import ModelConfig
 from service.model.llama import LlamaForCausalLM
@@ -51,6 +52,9 @@ def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
     shards = sorted(model_dir.glob("*.safetensors"))
     if not shards:
         raise ValueError(f"no .safetensors files in {model_dir}")
+    # A bar on a terminal (tqdm turns itself off when stderr is not one); the log gets a line per shard.
+    bar = tqdm(total=sum(p.numel() for p in params.values()) * params[next(iter(params))].element_size(),
+               unit="B", unit_scale=True, desc="loading weights", disable=None)
     for i, shard in enumerate(shards):
         start = time.perf_counter()
         with safe_open(shard, framework="pt", device=str(device)) as f:
@@ -65,7 +69,9 @@ def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
                 with torch.no_grad():
                     params[name].copy_(tensor)
                 missing.discard(name)
+                bar.update(params[name].nbytes)
         log.info("loaded shard %d/%d %s in %.1fs", i + 1, len(shards), shard.name, time.perf_counter() - start)
+    bar.close()
     if cfg.tie_word_embeddings:
         missing.discard("lm_head.weight")
     if missing:
