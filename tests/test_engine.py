@@ -162,22 +162,19 @@ def test_detokenizer_utf8_and_stop_holdback(model_dir):
     detok = IncrementalDetokenizer(tok, [1], [])
     pieces = [detok.add(t)[0] for t in ids]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
-    detok = IncrementalDetokenizer(tok, [1], ["f(x"])
-    out, hit = "", False
-    for t in ids:
-        piece, hit = detok.add(t)
-        out += piece
-        if hit:
-            break
-    assert hit and out == text[:text.index("f(x")]
-    detok = IncrementalDetokenizer(tok, [1], ["f(x"], include_stop=True)  # TGI's semantics
-    out, hit = "", False
-    for t in ids:
-        piece, hit = detok.add(t)
-        out += piece
-        if hit:
-            break
-    assert hit and out == text[:text.index("f(x") + len("f(x")]
+
+    def until_stop(detok):
+        out = ""
+        for t in ids:
+            piece, hit = detok.add(t)
+            out += piece
+            if hit:
+                return out
+        raise AssertionError("the stop string was never hit")
+
+    stop_at = text.index("f(x")
+    assert until_stop(IncrementalDetokenizer(tok, [1], ["f(x"])) == text[:stop_at]
+    assert until_stop(IncrementalDetokenizer(tok, [1], ["f(x"], include_stop=True)) == text[:stop_at + 3]  # TGI
 
 
 def test_async_engine_streams_aborts_and_errors(model_dir):
