@@ -53,8 +53,8 @@ def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
     if not shards:
         raise ValueError(f"no .safetensors files in {model_dir}")
     # A bar on a terminal (tqdm turns itself off when stderr is not one); the log gets a line per shard.
-    bar = tqdm(total=sum(p.numel() for p in params.values()) * params[next(iter(params))].element_size(),
-               unit="B", unit_scale=True, desc="loading weights", disable=None)
+    bar = tqdm(total=sum(p.nbytes for p in params.values()), unit="B", unit_scale=True, desc="loading weights",
+               disable=None)
     for i, shard in enumerate(shards):
         start = time.perf_counter()
         with safe_open(shard, framework="pt", device=str(device)) as f:
