@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import BACKWARD_DKDV, BACKWARD_DQ
+from kernels.tma import row_descriptor, tma_ok
 
 LOG2E = 1.4426950408889634
 
@@ -42,17 +43,22 @@ def _load_rows(base, rows, stride, offs_d, row_ok, HEAD_DIM: tl.constexpr, HEAD_
 
 
 @triton.jit
-def _dkdv_q_range(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, start_m, end_m,
-                  seqlen_q, causal_offset, qk_scale, stride_q_tok, stride_do_tok,
+def _dkdv_q_range(dk, dv, k, v, q_base, do_base, desc_q, desc_do, tma_row, tma_col, lse_base, delta_base, offs_n,
+                  offs_d, start_m, end_m, seqlen_q, causal_offset, qk_scale, stride_q_tok, stride_do_tok,
                   BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     """Accumulate dK, dV of one K/V block over query rows [start_m, end_m) of one head (transposed tiles:
-    keys on rows, queries on columns)."""
+    keys on rows, queries on columns). Rows past the sequence get lse = +inf, so whatever a TMA tile holds there
+    (the next sequence, or zeros) contributes nothing."""
     for m0 in range(start_m, end_m, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < seqlen_q
-        q = _load_rows(q_base, offs_m, stride_q_tok, offs_d, m_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
-        do = _load_rows(do_base, offs_m, stride_do_tok, offs_d, m_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+        if USE_TMA:
+            q = desc_q.load([tma_row + m0, tma_col])
+            do = desc_do.load([tma_row + m0, tma_col])
+        else:
+            q = _load_rows(q_base, offs_m, stride_q_tok, offs_d, m_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+            do = _load_rows(do_base, offs_m, stride_do_tok, offs_d, m_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
         if MASKED:  # +inf lse zeroes P for rows past the sequence and rows that saw no key
             lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
@@ -72,12 +78,14 @@ def _dkdv_q_range(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, o
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q, cu_seqlens_k,
+def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_q, desc_do, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q,
+                 cu_seqlens_k,
                  qk_scale, softmax_scale, total_q, group_size,
                  stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_v_tok, stride_v_h,
                  stride_do_tok, stride_do_h, stride_dk_tok, stride_dk_h, stride_dv_tok, stride_dv_h,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
     start_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -117,15 +125,19 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         do_base = do_ptr + q_off * stride_do_tok + head * stride_do_h
         lse_base = lse_ptr + head.to(tl.int64) * total_q + q_off
         delta_base = delta_ptr + head.to(tl.int64) * total_q + q_off
-        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, lo, band_end,
-                               seqlen_q, causal_offset, qk_scale, stride_q_tok, stride_do_tok,
-                               BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, True, IS_CAUSAL, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d, band_end,
-                               unmasked_end, seqlen_q, causal_offset, qk_scale, stride_q_tok, stride_do_tok,
-                               BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, False, IS_CAUSAL, DOT_PRECISION)
-        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, lse_base, delta_base, offs_n, offs_d,
-                               unmasked_end, seqlen_q, seqlen_q, causal_offset, qk_scale, stride_q_tok,
-                               stride_do_tok, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, True, IS_CAUSAL, DOT_PRECISION)
+        col = head * HEAD_DIM
+        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_start, col, lse_base, delta_base,
+                               offs_n, offs_d, lo, band_end, seqlen_q, causal_offset, qk_scale, stride_q_tok,
+                               stride_do_tok, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, True, IS_CAUSAL, DOT_PRECISION,
+                               USE_TMA)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_start, col, lse_base, delta_base,
+                               offs_n, offs_d, band_end, unmasked_end, seqlen_q, causal_offset, qk_scale,
+                               stride_q_tok, stride_do_tok, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, False, IS_CAUSAL,
+                               DOT_PRECISION, USE_TMA)
+        dk, dv = _dkdv_q_range(dk, dv, k, v, q_base, do_base, desc_q, desc_do, q_start, col, lse_base, delta_base,
+                               offs_n, offs_d, unmasked_end, seqlen_q, seqlen_q, causal_offset, qk_scale,
+                               stride_q_tok, stride_do_tok, BLOCK_M, HEAD_DIM, HEAD_DIM_PADDED, True, IS_CAUSAL,
+                               DOT_PRECISION, USE_TMA)
 
     mask = n_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     tl.store(dk_ptr + k_rows[:, None] * stride_dk_tok + kv_head * stride_dk_h + offs_d[None, :],
@@ -135,15 +147,19 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, start_n, end_n, seqlen_k, causal_offset,
-                 qk_scale, stride_k_tok, stride_v_tok, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, desc_k, desc_v, tma_row, tma_col, offs_m, offs_d, start_n,
+                 end_n, seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, MASKED: tl.constexpr,
+                 IS_CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
     for n0 in range(start_n, end_n, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < seqlen_k
-        k = _load_rows(k_base, offs_n, stride_k_tok, offs_d, n_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
-        v = _load_rows(v_base, offs_n, stride_v_tok, offs_d, n_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+        if USE_TMA:  # keys past the sequence are masked out of P below, whatever the tile holds there
+            k = desc_k.load([tma_row + n0, tma_col])
+            v = desc_v.load([tma_row + n0, tma_col])
+        else:
+            k = _load_rows(k_base, offs_n, stride_k_tok, offs_d, n_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
+            v = _load_rows(v_base, offs_n, stride_v_tok, offs_d, n_ok, HEAD_DIM, HEAD_DIM_PADDED, MASKED)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         p = tl.math.exp2(s - lse[:, None])
         if MASKED:
@@ -158,12 +174,12 @@ def _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, start_n,
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q, cu_seqlens_k,
+def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_k, desc_v, lse_ptr, delta_ptr, dq_ptr, cu_seqlens_q, cu_seqlens_k,
                qk_scale, softmax_scale, total_q, group_size,
                stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_v_tok, stride_v_h,
                stride_do_tok, stride_do_h, stride_dq_tok, stride_dq_h,
                HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+               DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest causal blocks first
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -199,12 +215,13 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, cu_seqle
     unmasked_end = (full // BLOCK_N) * BLOCK_N
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    dq = _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, 0, unmasked_end, seqlen_k,
-                      causal_offset, qk_scale, stride_k_tok, stride_v_tok, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED,
-                      False, IS_CAUSAL, DOT_PRECISION)
-    dq = _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, offs_m, offs_d, unmasked_end, hi, seqlen_k,
-                      causal_offset, qk_scale, stride_k_tok, stride_v_tok, BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED,
-                      True, IS_CAUSAL, DOT_PRECISION)
+    col = kv_head * HEAD_DIM
+    dq = _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, desc_k, desc_v, k_start, col, offs_m, offs_d, 0,
+                      unmasked_end, seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok, BLOCK_N, HEAD_DIM,
+                      HEAD_DIM_PADDED, False, IS_CAUSAL, DOT_PRECISION, USE_TMA)
+    dq = _dq_kv_range(dq, q, do, lse, delta, k_base, v_base, desc_k, desc_v, k_start, col, offs_m, offs_d,
+                      unmasked_end, hi, seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok, BLOCK_N,
+                      HEAD_DIM, HEAD_DIM_PADDED, True, IS_CAUSAL, DOT_PRECISION, USE_TMA)
     tl.store(dq_ptr + q_rows[:, None] * stride_dq_tok + head * stride_dq_h + offs_d[None, :],
              (dq * softmax_scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
@@ -226,7 +243,9 @@ def flash_attn_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     do, lse = do.contiguous(), lse.contiguous()
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, IS_CAUSAL=bool(causal), DOT_PRECISION=precision)
+    use_tma = tma_ok(q, k, v, do)
+    common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, IS_CAUSAL=bool(causal), DOT_PRECISION=precision,
+                  USE_TMA=use_tma)
 
     delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     _preprocess_kernel[(triton.cdiv(total_q, 64), nheads)](
@@ -235,15 +254,19 @@ def flash_attn_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
 
     qk_scale = softmax_scale * LOG2E
     cfg = _config(BACKWARD_DKDV, head_dim_padded)
+    rows = cfg.kwargs["BLOCK_M"]
+    desc_q, desc_do = (row_descriptor(q, rows), row_descriptor(do, rows)) if use_tma else (q, do)
     _dkdv_kernel[(triton.cdiv(max_seqlen_k, cfg.kwargs["BLOCK_N"]), nheads_k, batch)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale, total_q,
+        q, k, v, do, desc_q, desc_do, lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale, total_q,
         nheads // nheads_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
     cfg = _config(BACKWARD_DQ, head_dim_padded)
+    rows = cfg.kwargs["BLOCK_N"]
+    desc_k, desc_v = (row_descriptor(k, rows), row_descriptor(v, rows)) if use_tma else (k, v)
     _dq_kernel[(triton.cdiv(max_seqlen_q, cfg.kwargs["BLOCK_M"]), nheads, batch)](
-        q, k, v, do, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale, total_q,
+        q, k, v, do, desc_k, desc_v, lse, delta, dq, cu_seqlens_q, cu_seqlens_k, qk_scale, softmax_scale, total_q,
         nheads // nheads_k, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
         **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

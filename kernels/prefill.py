@@ -7,33 +7,42 @@ import triton
 import triton.language as tl
 
 from kernels.configs import PREFILL_CONFIGS, prune_prefill_configs
+from kernels.tma import row_descriptor, tma_ok
 
 
 @triton.jit
-def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d, start_n, end_n,
-                     seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
-                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                     PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, tma_row, tma_col, block_table_row, offs_m,
+                     offs_d, start_n, end_n, seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok,
+                     stride_k_blk, stride_v_blk, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     HEAD_DIM_PADDED: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGED: tl.constexpr,
+                     USE_TMA: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
     """Online softmax over keys [start_n, end_n). MASKED blocks pay for the length and causal masks; the
-    unmasked stage is only called on blocks every query row fully sees."""
+    unmasked stage is only called on blocks every query row fully sees. A TMA tile's keys past the sequence
+    (the next sequence's, or zeros) are masked out of P like any other key past seqlen_k."""
     for n0 in range(start_n, end_n, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if PAGED:
-            blk = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=offs_n < seqlen_k, other=0).to(tl.int64)
-            k_rows = blk * stride_k_blk + (offs_n % PAGE_SIZE) * stride_k_tok
-            v_rows = blk * stride_v_blk + (offs_n % PAGE_SIZE) * stride_v_tok
-        else:  # offsets within one sequence fit int32; the int64 sequence start is already in k_base/v_base
-            k_rows = offs_n * stride_k_tok
-            v_rows = offs_n * stride_v_tok
         n_ok = offs_n < seqlen_k
-        if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
-            d_ok = offs_d < HEAD_DIM
-            k = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        else:  # hot path: full block, unpadded head_dim, no masks
-            k = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
-            v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
+        if USE_TMA:
+            k = desc_k.load([tma_row + n0, tma_col]).T
+            v = desc_v.load([tma_row + n0, tma_col])
+        else:
+            if PAGED:
+                blk = tl.load(block_table_row + offs_n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+                k_rows = blk * stride_k_blk + (offs_n % PAGE_SIZE) * stride_k_tok
+                v_rows = blk * stride_v_blk + (offs_n % PAGE_SIZE) * stride_v_tok
+            else:  # offsets within one sequence fit int32; the int64 sequence start is already in k_base/v_base
+                k_rows = offs_n * stride_k_tok
+                v_rows = offs_n * stride_v_tok
+            if MASKED or HEAD_DIM != HEAD_DIM_PADDED:
+                d_ok = offs_d < HEAD_DIM
+                k = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=d_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+                v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                            other=0.0)
+            else:  # full block, unpadded head_dim, no masks
+                k = tl.load(k_base + k_rows[None, :] + offs_d[:, None])
+                v = tl.load(v_base + v_rows[:, None] + offs_d[None, :])
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             visible = n_ok[None, :]
@@ -47,23 +56,23 @@ def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, 
         alpha = tl.math.exp2(m_i - m_sub)
         p = tl.math.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=PREFILL_CONFIGS, key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "seqlen_bucket"],
+@triton.autotune(configs=PREFILL_CONFIGS, key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "USE_TMA", "seqlen_bucket"],
                  prune_configs_by={"early_config_prune": prune_prefill_configs})
 # total_q changes with every batch: specializing on it (== 1, divisible by 16) would compile new variants of a
 # tuned config in the middle of serving, a second or more each.
 @triton.jit(do_not_specialize=["total_q"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
                     qk_scale, total_q, seqlen_bucket, group_size,
                     stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_k_blk,
                     stride_v_tok, stride_v_h, stride_v_blk, stride_o_tok, stride_o_h, stride_bt,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_TMA: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Highest q-blocks first: under causal masking they carry the most work, so they should not straggle.
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -107,16 +116,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cu_seqlens_q, cu_seql
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d,
-                                     0, unmasked_end, seqlen_k, causal_offset, qk_scale,
-                                     stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, False, IS_CAUSAL,
-                                     DOT_PRECISION)
-    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, block_table_row, offs_m, offs_d,
-                                     unmasked_end, hi, seqlen_k, causal_offset, qk_scale,
-                                     stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
-                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, True, IS_CAUSAL,
-                                     DOT_PRECISION)
+    col = kv_head * HEAD_DIM
+    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_start, col,
+                                     block_table_row, offs_m, offs_d, 0, unmasked_end, seqlen_k, causal_offset,
+                                     qk_scale, stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, USE_TMA, False,
+                                     IS_CAUSAL, DOT_PRECISION)
+    acc, l_i, m_i = _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, k_start, col,
+                                     block_table_row, offs_m, offs_d, unmasked_end, hi, seqlen_k, causal_offset,
+                                     qk_scale, stride_k_tok, stride_v_tok, stride_k_blk, stride_v_blk,
+                                     BLOCK_N, HEAD_DIM, HEAD_DIM_PADDED, PAGE_SIZE, PAGED, USE_TMA, True,
+                                     IS_CAUSAL, DOT_PRECISION)
 
     # Rows that saw no key: out = 0, lse = -inf.
     seen = l_i > 0.0
@@ -150,17 +160,20 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         block_table = cu_seqlens_k  # never read; any int32 tensor pointer will do
         stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     seqlen_bucket = triton.next_power_of_2(max_seqlen_q)
+    # The tile height is the autotuned BLOCK_N: the configs' pre-hook sets it before each launch.
+    use_tma = not paged and tma_ok(k, v)
+    desc_k, desc_v = (row_descriptor(k, 16), row_descriptor(v, 16)) if use_tma else (k, v)
 
     def grid(meta):
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch
 
     _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
+        q, k, v, desc_k, desc_v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
         softmax_scale * math.log2(math.e), total_q, seqlen_bucket, nheads // nheads_k,
         q.stride(0), q.stride(1), stride_k_tok, stride_k_h, stride_k_blk,
         stride_v_tok, stride_v_h, stride_v_blk, out.stride(0), out.stride(1), stride_bt,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), IS_CAUSAL=bool(causal),
-        PAGED=paged, PAGE_SIZE=page_size, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out, lse
 

@@ -44,8 +44,11 @@ def test_backward_head_dims(head_dim, device):
     _check([19, 33], [19, 37], 2, 1, head_dim, True, dtype, device, 1e-4 if dtype == torch.float32 else 2e-2)
 
 
-def test_backward_fp16(device):
-    _check([23, 17], [30, 17], 4, 2, 32, True, torch.float16, device, 2e-2)
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_fp16(causal, device):
+    # fp16 with a power-of-two head_dim takes the TMA path (emulated on the CPU); the last tiles run past the
+    # tensor's end and across into the next sequence.
+    _check([23, 17], [30, 17], 4, 2, 32, causal, torch.float16, device, 2e-2)
 
 
 def test_backward_rows_without_keys(device):
