@@ -44,6 +44,16 @@ def prune_prefill_configs(configs, named_args, **kwargs):
     return [c for c in configs if c.kwargs["BLOCK_M"] == 128]
 
 # ---------------------------------------------------------------------------------------------------------
+# Where the forward and backward stream K/V (or Q/dO) tiles through TMA (kernels/tma.py). On the H100 it paid for
+# head_dim 128 from 2048 tokens on (causal forward +12..15%, backward +0..5%); elsewhere it lost (head_dim 128
+# causal forward at 1024 tokens: 167 against 268 TFLOP/s; head_dim 64 backward: about 10%), so those shapes keep
+# pointer loads. The interpreter takes TMA wherever it can, so CI tests that path too.
+# ---------------------------------------------------------------------------------------------------------
+def tma_pays(head_dim: int, max_seqlen: int) -> bool:
+    return INTERPRET or (head_dim == 128 and max_seqlen >= 2048)
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Decode, split-KV (kernels/decode.py)
 # Memory-bound: a large KV tile per iteration (gathered row by row through the block table, so independent of
 # the cache block size) with a deep pipeline keeps enough bytes in flight. head_dim 256 halves BLOCK_N.

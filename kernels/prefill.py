@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import PREFILL_CONFIGS, prune_prefill_configs
+from kernels.configs import PREFILL_CONFIGS, prune_prefill_configs, tma_pays
 from kernels.tma import row_descriptor, tma_ok
 
 
@@ -161,7 +161,7 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
     seqlen_bucket = triton.next_power_of_2(max_seqlen_q)
     # The tile height is the autotuned BLOCK_N: the configs' pre-hook sets it before each launch.
-    use_tma = not paged and tma_ok(k, v)
+    use_tma = not paged and tma_pays(head_dim, max_seqlen_k) and tma_ok(k, v)
     desc_k, desc_v = (row_descriptor(k, 16), row_descriptor(v, 16)) if use_tma else (k, v)
 
     def grid(meta):
