@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import BACKWARD_DKDV, BACKWARD_DQ, tma_pays
+from kernels.prefill import query_block_keys, sequence_span
 from kernels.tma import row_descriptor, tma_ok
 
 LOG2E = 1.4426950408889634
@@ -89,12 +90,10 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_q, desc_do, lse_ptr, delta_pt
     start_n = tl.program_id(0)
     kv_head = tl.program_id(1)
     batch = tl.program_id(2)
-    k_start = tl.load(cu_seqlens_k + batch)
-    seqlen_k = tl.load(cu_seqlens_k + batch + 1) - k_start
+    k_start, seqlen_k = sequence_span(cu_seqlens_k, batch)
     if start_n * BLOCK_N >= seqlen_k:
         return
-    q_start = tl.load(cu_seqlens_q + batch)
-    seqlen_q = tl.load(cu_seqlens_q + batch + 1) - q_start
+    q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
 
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PADDED)
@@ -183,12 +182,10 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_k, desc_v, lse_ptr, delta_ptr, 
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest causal blocks first
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q + batch)
-    seqlen_q = tl.load(cu_seqlens_q + batch + 1) - q_start
+    q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
     if start_m * BLOCK_M >= seqlen_q:
         return
-    k_start = tl.load(cu_seqlens_k + batch)
-    seqlen_k = tl.load(cu_seqlens_k + batch + 1) - k_start
+    k_start, seqlen_k = sequence_span(cu_seqlens_k, batch)
     kv_head = head // group_size
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -205,14 +202,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_k, desc_v, lse_ptr, delta_ptr, 
     k_base = k_ptr + k_start.to(tl.int64) * stride_k_tok + kv_head * stride_k_h
     v_base = v_ptr + k_start.to(tl.int64) * stride_v_tok + kv_head * stride_v_h
     causal_offset = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        last_row = tl.minimum(seqlen_q, (start_m + 1) * BLOCK_M) - 1
-        hi = tl.maximum(tl.minimum(seqlen_k, last_row + causal_offset + 1), 0)
-        full = tl.maximum(tl.minimum(seqlen_k, start_m * BLOCK_M + causal_offset + 1), 0)
-    else:
-        hi = seqlen_k
-        full = seqlen_k
-    unmasked_end = (full // BLOCK_N) * BLOCK_N
+    unmasked_end, hi = query_block_keys(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     col = kv_head * HEAD_DIM

@@ -11,6 +11,29 @@ from kernels.tma import row_descriptor, tma_ok
 
 
 @triton.jit
+def sequence_span(cu_seqlens, batch):
+    start = tl.load(cu_seqlens + batch)
+    return start, tl.load(cu_seqlens + batch + 1) - start
+
+
+@triton.jit
+def query_block_keys(start_m, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      IS_CAUSAL: tl.constexpr):
+    """Keys of query block start_m under bottom-right causal masking (query i sees keys j <= i + seqlen_k -
+    seqlen_q): every row sees all of [0, unmasked_end); [unmasked_end, hi) is the diagonal band, up to the last
+    row's horizon, that pays for the mask. Blocks past hi are never loaded."""
+    if IS_CAUSAL:
+        causal_offset = seqlen_k - seqlen_q
+        last_row = tl.minimum(seqlen_q, (start_m + 1) * BLOCK_M) - 1
+        hi = tl.maximum(tl.minimum(seqlen_k, last_row + causal_offset + 1), 0)
+        full = tl.maximum(tl.minimum(seqlen_k, start_m * BLOCK_M + causal_offset + 1), 0)
+    else:
+        hi = seqlen_k
+        full = seqlen_k
+    return (full // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
 def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, tma_row, tma_col, block_table_row, offs_m,
                      offs_d, start_n, end_n, seqlen_k, causal_offset, qk_scale, stride_k_tok, stride_v_tok,
                      stride_k_blk, stride_v_blk, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -77,12 +100,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q + batch)
-    seqlen_q = tl.load(cu_seqlens_q + batch + 1) - q_start
+    q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
     if start_m * BLOCK_M >= seqlen_q:
         return
-    k_start = tl.load(cu_seqlens_k + batch)
-    seqlen_k = tl.load(cu_seqlens_k + batch + 1) - k_start
+    k_start, seqlen_k = sequence_span(cu_seqlens_k, batch)
     kv_head = head // group_size
 
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,17 +122,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
         v_base = v_ptr + k_start.to(tl.int64) * stride_v_tok + kv_head * stride_v_h
     block_table_row = block_table + batch.to(tl.int64) * stride_bt
 
-    # Bottom-right causal: query i sees keys j <= i + causal_offset. Keys every row of this block sees form
-    # the unmasked stage; the rest up to the last row's horizon is the masked (diagonal) stage.
     causal_offset = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        last_row = tl.minimum(seqlen_q, (start_m + 1) * BLOCK_M) - 1
-        hi = tl.maximum(tl.minimum(seqlen_k, last_row + causal_offset + 1), 0)
-        full = tl.maximum(tl.minimum(seqlen_k, start_m * BLOCK_M + causal_offset + 1), 0)
-    else:
-        hi = seqlen_k
-        full = seqlen_k
-    unmasked_end = (full // BLOCK_N) * BLOCK_N
+    unmasked_end, hi = query_block_keys(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
 
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
