@@ -46,8 +46,8 @@ def test_backward_head_dims(head_dim, device):
 
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_fp16(causal, device):
-    # fp16 with a power-of-two head_dim takes the TMA path (emulated on the CPU); the last tiles run past the
-    # tensor's end and across into the next sequence.
+    # On the CPU, fp16 with a power-of-two head_dim takes the TMA path (the interpreter takes it wherever it can);
+    # the last tiles run past the tensor's end and across into the next sequence.
     _check([23, 17], [30, 17], 4, 2, 32, causal, torch.float16, device, 2e-2)
 
 
