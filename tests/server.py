@@ -17,7 +17,7 @@ import uvicorn
 from service.api import create_app
 from service.config import Settings
 
-START_TIMEOUT = 120
+START_TIMEOUT = 300  # a cold GPU start (Triton compiles, autotuning, CUDA graphs) takes about 100 s
 
 
 @contextmanager

@@ -155,14 +155,14 @@ def _greedy(client, model, prompt=PROMPTS[-1]) -> str:
     return client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0).choices[0].text
 
 
-def _teach_phrase(base_url, n_epochs=40):
+def _teach_phrase(base_url, n_epochs=40, learning_rate_multiplier=10):
     """Uploads TRAINING and runs the job that teaches the served model PHRASE: (base model, upload, job)."""
     client = _client(base_url)
     upload = client.files.create(file=("phrase.jsonl", TRAINING), purpose="fine-tune")
     base = client.models.list().data[0].id
     job = client.fine_tuning.jobs.create(
         model=base, training_file=upload.id, validation_file=upload.id, suffix="walrus", seed=7,
-        hyperparameters={"n_epochs": n_epochs, "batch_size": 4, "learning_rate_multiplier": 10},
+        hyperparameters={"n_epochs": n_epochs, "batch_size": 4, "learning_rate_multiplier": learning_rate_multiplier},
         extra_body={"extra": {"lora_rank": 8, "gradient_accumulation_steps": 2}})
     assert job.status == "queued" and job.object == "fine_tuning.job"
     return base, upload, _wait(client, job.id)
@@ -354,7 +354,9 @@ def test_the_openai_flow_teaches_a_qwen_shaped_model_on_the_gpu(tmp_path):
     write_checkpoint(model)
     with serve(model=str(model), device="cuda", cuda_graphs=True, gpu_memory_utilization=0.5, max_model_len=2048,
                finetune_dir=str(tmp_path / "finetune")) as url:
-        base, _, job = _teach_phrase(url, n_epochs=100)
+        # The tiny CPU model needs 10x the base rate; at this size 10x stalls the loss near 6 and the model says
+        # " the the the...", while 1x reaches a loss below 0.01 within 40 steps (the Trainer alone on the H100).
+        base, _, job = _teach_phrase(url, n_epochs=60, learning_rate_multiplier=1)
         assert job.status == "succeeded", job.error
         client = _client(url)
         assert _greedy(client, job.fine_tuned_model).startswith(PHRASE[:20])
