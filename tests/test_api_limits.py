@@ -275,10 +275,14 @@ def test_a_failing_engine_step_is_a_500_and_the_service_keeps_serving():
             plain = httpx.post(f"{url}/generate", json=body, timeout=60)
             with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=60) as stream:
                 events = [json.loads(e) for e in sse_events(stream)]
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60,
+                              json={"model": "tgi", "prompt": "def f():", "max_tokens": 4, "stream": True}) as stream:
+                openai_events = list(sse_events(stream))
         finally:
             runner.run = run
         assert plain.status_code == 500 and "injected fault" in plain.json()["error"]
         assert events[-1]["error_type"] == "generation" and "injected fault" in events[-1]["error"]
+        assert "[DONE]" not in openai_events and json.loads(openai_events[-1])["error"]["code"] == "engine_error"
         after = httpx.post(f"{url}/generate", json=body, timeout=60)
         assert after.status_code == 200 and after.json()["generated_text"]
         m = scrape(url)

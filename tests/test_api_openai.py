@@ -52,6 +52,18 @@ def test_completions_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
 
 
+def test_completions_stream_echo_offsets(client):
+    """With echo the stream opens with the prompt, and each token's text_offset counts everything sent before it."""
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+                                            echo=True, logprobs=1))
+    assert chunks[0].choices[0].text == PROMPT
+    sent = len(PROMPT)
+    for c in chunks[1:]:
+        assert c.choices[0].logprobs.text_offset == [sent]
+        sent += len(c.choices[0].text)
+    assert sent > len(PROMPT) and len(chunks) == 7
+
+
 def test_completions_token_prompt_and_seed(client):
     ids = [5, 6, 7, 8]
     a = client.completions.create(model="tiny", prompt=ids, max_tokens=6, seed=1234)

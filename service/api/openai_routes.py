@@ -1,6 +1,7 @@
 """OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both streaming or not), /v1/models."""
 import json
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
@@ -77,9 +78,26 @@ class _Call:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def usage_chunk(self, obj: str, completion_tokens: int) -> str:
-        return sse(json.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                               "choices": [], "usage": _usage(self.prompt_tokens, completion_tokens)}))
+    async def stream(self, opening: str | None, token_chunk: Callable[[TokenOutput], str | None], obj: str):
+        """The SSE lines of a streamed response: `opening`, then `token_chunk` of every token (None sends
+        nothing), the usage chunk when the client asked for it, and [DONE]; an engine failure ends the stream
+        with an error event instead."""
+        if opening is not None:
+            yield opening
+        generated = 0
+        try:
+            async with aclosing(self.generation.tokens()) as tokens:
+                async for out in tokens:
+                    generated += 1
+                    if (line := token_chunk(out)) is not None:
+                        yield line
+        except EngineStepError as e:
+            yield _stream_error(e)
+            return
+        if self.include_usage:
+            yield sse(json.dumps({"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                                  "choices": [], "usage": _usage(self.prompt_tokens, generated)}))
+        yield sse("[DONE]")
 
 
 # -- /v1/completions ----------------------------------------------------------------------------------------
@@ -124,25 +142,17 @@ async def completions(request: Request):
                                "model": call.model, "choices": [choice(text, outputs, offset, finish_reason)],
                                "usage": None}))
 
-    async def events():
-        offset, generated = len(echo), 0
-        if echo:
-            yield chunk(echo, [], 0, None)
-        try:
-            async with aclosing(call.generation.tokens()) as tokens:
-                async for out in tokens:
-                    generated += 1
-                    if out.text or out.finished or want_logprobs:
-                        yield chunk(out.text, [out], offset, FINISH_REASONS.get(out.finish_reason))
-                    offset += len(out.text)
-        except EngineStepError as e:
-            yield _stream_error(e)
-            return
-        if call.include_usage:
-            yield call.usage_chunk("text_completion", generated)
-        yield sse("[DONE]")
+    offset = len(echo)
 
-    return EventStream(events(), call.generation)
+    def token_chunk(out: TokenOutput) -> str | None:
+        nonlocal offset
+        start, offset = offset, offset + len(out.text)
+        if out.text or out.finished or want_logprobs:
+            return chunk(out.text, [out], start, FINISH_REASONS.get(out.finish_reason))
+        return None
+
+    opening = chunk(echo, [], 0, None) if echo else None
+    return EventStream(call.stream(opening, token_chunk, "text_completion"), call.generation)
 
 
 # -- /v1/chat/completions -----------------------------------------------------------------------------------
@@ -192,24 +202,13 @@ async def chat_completions(request: Request):
         return sse(json.dumps({"id": call.id, "object": "chat.completion.chunk", "created": call.created,
                                "model": call.model, "choices": [choice], "usage": None}))
 
-    async def events():
-        yield chunk({"role": "assistant", "content": ""}, [], None)
-        generated = 0
-        try:
-            async with aclosing(call.generation.tokens()) as tokens:
-                async for out in tokens:
-                    generated += 1
-                    if out.text or out.finished or req.logprobs:
-                        yield chunk({"content": out.text} if out.text else {}, [out],
-                                    FINISH_REASONS.get(out.finish_reason))
-        except EngineStepError as e:
-            yield _stream_error(e)
-            return
-        if call.include_usage:
-            yield call.usage_chunk("chat.completion.chunk", generated)
-        yield sse("[DONE]")
+    def token_chunk(out: TokenOutput) -> str | None:
+        if out.text or out.finished or req.logprobs:
+            return chunk({"content": out.text} if out.text else {}, [out], FINISH_REASONS.get(out.finish_reason))
+        return None
 
-    return EventStream(events(), call.generation)
+    opening = chunk({"role": "assistant", "content": ""}, [], None)
+    return EventStream(call.stream(opening, token_chunk, "chat.completion.chunk"), call.generation)
 
 
 # -- /v1/models ---------------------------------------------------------------------------------------------
