@@ -16,6 +16,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from kernels.decode import flash_attn_with_kvcache  # noqa: E402
 
 NHEADS, NHEADS_K, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -141,21 +142,10 @@ def main():
 
 
 def plot(results, names, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     labels = [f"{r['batch']}x{r['ctx']}" for r in results["rows"]]
-    width = 0.8 / len(names)
-    fig, ax = plt.subplots(figsize=(12, 5))
-    for i, name in enumerate(names):
-        values = [r["tbps"].get(name, 0.0) for r in results["rows"]]
-        ax.bar([x + i * width for x in range(len(labels))], values, width, label=name)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels)
-    ax.set_ylabel("effective bandwidth (TB/s)")
-    ax.set_title(f"decode attention, {NHEADS}/{NHEADS_K} heads, d={HEAD_DIM}, bf16 ({results['gpu']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {name: [r["tbps"].get(name, 0.0) for r in results["rows"]] for name in names}
+    grouped_bars(path, labels, series, "effective bandwidth (TB/s)",
+                 f"decode attention, {NHEADS}/{NHEADS_K} heads, d={HEAD_DIM}, bf16 ({results['gpu']})")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.engine.sampling_params import SamplingParams  # noqa: E402
 from service.model.loader import DEFAULT_MODEL_DIR  # noqa: E402
@@ -166,23 +167,11 @@ def main():
 
 
 def plot(results, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cases = list(results["ours"])
-    x = range(len(cases))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.bar([i - 0.2 for i in x], [results["ours"][c]["tok_per_s"] for c in cases], 0.4, label="ours")
-    ax.bar([i + 0.2 for i in x], [results["hf"].get(c, {}).get("tok_per_s", 0) for c in cases], 0.4,
-           label="HF transformers")
-    ax.set_xticks(list(x), cases)
-    ax.set_yscale("log")
-    ax.set_ylabel("generated tokens / s")
-    ax.set_title(f"Generation throughput, {results['config']} ({results['gpu']})")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {"ours": [results["ours"][c]["tok_per_s"] for c in cases],
+              "HF transformers": [results["hf"].get(c, {}).get("tok_per_s", 0) for c in cases]}
+    grouped_bars(path, cases, series, "generated tokens / s",
+                 f"Generation throughput, {results['config']} ({results['gpu']})", log=True, figsize=(8, 4.5))
 
 
 if __name__ == "__main__":
