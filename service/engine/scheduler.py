@@ -95,8 +95,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             cached = bm.allocate(seq.request_id, seq.cache_keys)
-            if not seq.admitted:
-                seq.num_cached_prompt_tokens, seq.admitted = cached, True
+            if seq.queue_seconds is None:  # first admission (a preempted sequence comes back here later)
+                seq.num_cached_prompt_tokens = cached
                 seq.queue_seconds = time.perf_counter() - seq.arrival
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
             self.running.append(seq)

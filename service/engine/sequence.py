@@ -27,9 +27,8 @@ class Sequence:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
-    admitted: bool = False
     arrival: float = field(default_factory=time.perf_counter)
-    queue_seconds: float | None = None  # arrival until first scheduled
+    queue_seconds: float | None = None  # arrival until first scheduled; None while never admitted
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
