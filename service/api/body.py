@@ -1,10 +1,9 @@
 """Reading a JSON request body: size limit, strict UTF-8, JSON, then the pydantic schema, each failure a clear
 4xx (FastAPI's own body parsing would answer some of these with its own shapes)."""
-import json
-
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
+from service import strict_json
 from service.api.errors import APIError, validation_error
 
 
@@ -27,8 +26,8 @@ def parse_json(body: bytes):
     except UnicodeDecodeError as e:
         raise APIError(400, f"request body is not valid UTF-8 (byte {e.start})", code="invalid_body") from None
     try:
-        return json.loads(text)  # NaN/Infinity pass here; the schemas reject them naming the field
-    except (ValueError, RecursionError) as e:
+        return strict_json.loads(text)  # NaN/Infinity pass here; the schemas reject them naming the field
+    except ValueError as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_body") from None
 
 

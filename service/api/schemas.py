@@ -5,6 +5,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
+from service.engine.sampling_params import MAX_TOP_K
+
 U64 = 2 ** 64
 
 
@@ -65,7 +67,7 @@ class _Body(BaseModel):
 class TGIParameters(_Body):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
-    top_k: int | None = Field(None, ge=1)
+    top_k: int | None = Field(None, ge=1, le=MAX_TOP_K)
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     do_sample: bool = False
@@ -111,7 +113,7 @@ class OpenAIRequest(_Body):
     logit_bias: Annotated[dict[str, float] | None, _only({})] = None
     user: str | None = None
     # extensions (as in vLLM)
-    top_k: int | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     repetition_penalty: float | None = Field(None, gt=0)
 
 

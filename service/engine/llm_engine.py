@@ -2,6 +2,7 @@
 every live request by one step at a time. AsyncEngine and LLM drive it."""
 import gc
 import logging
+import math
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from service.engine.detokenizer import IncrementalDetokenizer
 from service.engine.model_runner import ModelRunner
 from service.engine.outputs import StepStats, TokenOutput
 from service.engine.sampler import Sampler
-from service.engine.sampling_params import SamplingParams
+from service.engine.sampling_params import MAX_TOP_K, SamplingParams
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import Sequence
 from service.model.attention import AttentionMetadata
@@ -139,8 +140,12 @@ class LLMEngine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if params.max_new_tokens < 1:
             raise RequestRejected("max_new_tokens must be >= 1")
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.repetition_penalty <= 0:
-            raise RequestRejected("need temperature >= 0, 0 < top_p <= 1, top_k >= 0, repetition_penalty > 0")
+        if not (0 <= params.temperature < math.inf and 0 < params.top_p <= 1 and 0 <= params.top_k <= MAX_TOP_K
+                and 0 < params.repetition_penalty < math.inf):
+            raise RequestRejected(f"need 0 <= temperature < inf, 0 < top_p <= 1, 0 <= top_k <= {MAX_TOP_K}, "
+                                  "0 < repetition_penalty < inf")
+        if params.seed is not None and not -2**63 <= params.seed < 2**64:
+            raise RequestRejected("seed must be in [-2**63, 2**64)")
         if params.top_logprobs < 0 or params.top_logprobs > 20:
             raise RequestRejected("top_logprobs must be in 0..20")
         total = len(prompt_token_ids) + params.max_new_tokens
@@ -198,7 +203,8 @@ class LLMEngine:
     def step(self) -> tuple[list[TokenOutput], StepStats | None]:
         """One scheduling + forward + sampling round. Raises EngineStepError (after freeing the step's
         requests) if the model or sampler fails."""
-        with self.lock:
+        # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
+        with self.lock, torch.inference_mode():
             start = time.perf_counter()
             batch = self.scheduler.schedule()
             if not batch.seqs:

@@ -5,6 +5,8 @@ import torch
 
 from service.engine.sampling_params import SamplingParams
 
+LOGPROB_FLOOR = -9999.0
+
 
 @dataclass
 class SamplerOutput:
@@ -55,7 +57,7 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
             logits = logits / temps[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
                 top_k = torch.tensor([p.top_k for p in params], device=device)
@@ -74,7 +76,8 @@ class Sampler:
         want_logprobs = any(p.logprobs or p.top_logprobs > 0 for p in params)
         if not want_logprobs:
             return SamplerOutput(tokens.tolist(), None, None)
-        logp = logits.log_softmax(-1)
+        # Tokens masked by top-k/top-p have logprob -inf, which JSON cannot carry: report them as -9999 (as vLLM).
+        logp = logits.log_softmax(-1).clamp_min(LOGPROB_FLOOR)
         chosen = logp.gather(1, tokens[:, None]).squeeze(1)
         k = max(p.top_logprobs for p in params)
         top = logp.topk(k, dim=-1) if k > 0 else None

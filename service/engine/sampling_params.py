@@ -1,11 +1,16 @@
 """What a request asks of generation, independent of the HTTP schema that carried it."""
 from dataclasses import dataclass, field
 
+# Temperatures below this sample greedily: dividing logits by a smaller one overflows float32 (1e-45 is already
+# 0 there), and the distribution it asks for is the argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TOP_K = 2**31 - 1  # any k beyond the vocabulary keeps every token
+
 
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 64
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or anything below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
     repetition_penalty: float = 1.0
@@ -20,4 +25,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

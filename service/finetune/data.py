@@ -6,8 +6,9 @@ Each line is one of
     {"messages": [{"role", "content"}]}  rendered with the tokenizer's chat template; loss on assistant turns
     {"text": str}                        loss on every token (plain language modelling)
 """
-import json
 from dataclasses import dataclass
+
+from service import strict_json
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -35,7 +36,7 @@ def parse_jsonl(data: bytes) -> list[dict]:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = strict_json.loads(line)
         except ValueError as e:
             raise ValueError(f"line {number}: not valid JSON ({e})") from None
         try:
