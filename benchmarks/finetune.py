@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from service.config import Settings  # noqa: E402
 from service.finetune.data import Example  # noqa: E402
-from service.finetune.lora import LoRAConfig  # noqa: E402
 from service.finetune.trainer import StepResult, TrainConfig, Trainer  # noqa: E402
 from service.model.loader import DEFAULT_MODEL_DIR, load_model  # noqa: E402
+from service.model.lora import LoRAConfig  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
           "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
@@ -86,19 +86,21 @@ def bench_training(model_dir: Path) -> list[dict]:
     return rows
 
 
-async def decode_gaps(engine) -> list[float]:
-    """Inter-token gaps (s) of STREAMS concurrent greedy streams."""
-    from service.engine.sampling_params import SamplingParams
+async def decode_gaps(client) -> list[float]:
+    """Inter-token gaps (s) of STREAMS concurrent greedy streams, as a front-end receives them."""
+    from service.protocol import SamplingParams
 
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
     async def one(i):
         prompt = [random.randrange(3, 3000) for _ in range(PROMPT_TOKENS)]
+        stream = await client.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
         gaps, last = [], None
-        async for _ in engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params):
+        async for batch in stream.batches():
             now = time.perf_counter()
             if last is not None:
                 gaps.append(now - last)
+            gaps += [0.0] * (len(batch) - 1)
             last = now
         return gaps
 
@@ -112,45 +114,64 @@ def percentiles(gaps: list[float]) -> dict:
 
 
 async def bench_serving(model_dir: Path, finetune_dir: Path) -> tuple[list[dict], dict]:
-    from service.engine.async_engine import AsyncEngine
-    from service.finetune.jobs import JobManager
+    """An engine core in a thread here (as in its own process when served) and the client a front-end uses."""
+    import threading
+
+    from prometheus_client import CollectorRegistry
+
+    from service.api.engine_client import EngineClient
+    from service.engine.core import EngineCore
+    from service.finetune.data import parse_jsonl, save_examples, tokenize_records
+    from service.metrics import FrontendMetrics
 
     settings = Settings(model=str(model_dir), max_model_len=4096, gpu_memory_utilization=0.5,
                         finetune_dir=str(finetune_dir))
-    engine = await asyncio.to_thread(AsyncEngine.from_settings, settings)
-    await engine.start()
-    manager = JobManager(settings, engine)
-    await manager.start()
+    address = f"ipc://{finetune_dir.parent / 'core.sock'}"
+    core = await asyncio.to_thread(EngineCore, settings, address)
+    thread = threading.Thread(target=core.run, daemon=True)
+    thread.start()
+    client = EngineClient(address, "bench", FrontendMetrics(CollectorRegistry()))
+    await client.start()
+    while not client.ready:
+        await asyncio.sleep(0.05)
     words = [f"w{i}" for i in range(500)]
-    lines = [json.dumps({"text": " ".join(random.choices(words, k=200))}) for _ in range(64)]
-    upload = await manager.create_file("bench.jsonl", "fine-tune", "\n".join(lines).encode())
-    await decode_gaps(engine)  # warm-up
+    data = "\n".join(json.dumps({"text": " ".join(random.choices(words, k=200))}) for _ in range(64)).encode()
+    file_id = "file-bench"
+    files = finetune_dir / "files"
+    (files / f"{file_id}.jsonl").write_bytes(data)
+    save_examples(files, file_id, tokenize_records(parse_jsonl(data), client.tokenizer, client.max_model_len))
+    await client.call("register_file", meta={"id": file_id, "object": "file", "bytes": len(data), "created_at": 0,
+                                             "filename": "bench.jsonl", "purpose": "fine-tune", "status": "processed"})
+    await decode_gaps(client)  # warm-up
     rows, gap_samples = [], {}
     for label, duty in [("serving alone", None), ("+ training, duty 0.5", 0.5), ("+ training, duty 1.0", 1.0)]:
         job = None
         if duty is not None:
-            settings.finetune_duty_cycle = duty
-            job = await manager.create_job({"model": engine.model_name, "training_file": upload["id"],
-                                            "hyperparameters": {"n_epochs": 100, "batch_size": 8},
-                                            "extra": {"lora_rank": LORA.rank, "lora_alpha": LORA.alpha,
-                                                      "gradient_accumulation_steps": 2}})
+            settings.finetune_duty_cycle = duty  # read by the core's job manager before each pause
+            job = await client.call("create_job", num_examples=64, body={
+                "model": client.model_name, "training_file": file_id, "hyperparameters": {"n_epochs": 100,
+                                                                                           "batch_size": 8},
+                "extra": {"lora_rank": LORA.rank, "lora_alpha": LORA.alpha, "gradient_accumulation_steps": 2}})
             while job["status"] != "running" or not job["trained_tokens"]:
                 await asyncio.sleep(0.1)
+                job = await client.call("get_job", job_id=job["id"])
         tokens_before = job["trained_tokens"] if job else 0
         start = time.perf_counter()
         gaps = []
         while not gaps or time.perf_counter() - start < WINDOW_SECONDS:  # several optimizer steps of the job
-            gaps += await decode_gaps(engine)
+            gaps += await decode_gaps(client)
         seconds = time.perf_counter() - start
         row = {"condition": label, **percentiles(gaps), "decode_tokens_per_s": len(gaps) / seconds}
         if job is not None:
+            job = await client.call("get_job", job_id=job["id"])
             row["training_tokens_per_s"] = (job["trained_tokens"] - tokens_before) / seconds
-            manager.cancel_job(job["id"])
+            await client.call("cancel_job", job_id=job["id"])
             await asyncio.sleep(2)  # the job stops before its next micro-batch
         rows.append(row)
         gap_samples[label] = gaps
-    await manager.shutdown()
-    await engine.shutdown(drain_seconds=1)
+    await client.close()
+    core.stop()
+    thread.join()
     return rows, gap_samples
 
 

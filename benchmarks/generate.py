@@ -22,8 +22,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
-from service.engine.sampling_params import SamplingParams  # noqa: E402
 from service.model.loader import DEFAULT_MODEL_DIR  # noqa: E402
+from service.protocol import SamplingParams  # noqa: E402
 
 CONFIG = {
     "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
@@ -47,7 +47,8 @@ def write_checkpoint(path: Path) -> None:
     def rand(*shape, std=0.02):
         return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
 
-    w = {"model.embed_tokens.weight": rand(c["vocab_size"], h), "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    w = {"model.embed_tokens.weight": rand(c["vocab_size"], h),
+         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w |= {p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.q_proj.bias": rand(q),
@@ -68,8 +69,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dic
     engine = llm.engine
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(prompts, new_tokens)):
-        engine.add_request(f"b{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True,
-                                                       detokenize=False))
+        engine.add_request(f"b{i}", p, SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
     first, generated, decode_steps, step_times = {}, 0, [], []
     while engine.has_work:
         t = time.perf_counter()
@@ -127,7 +127,8 @@ def main():
         for batch in batches:
             r = run_engine(llm, [rand(PROMPT_LEN) for _ in range(batch)], [new_tokens] * batch)
             results["ours"][f"batch{batch}"] = r
-            print(f"ours  batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s  decode step {r['decode_step_median_ms']:.2f} ms"
+            print(f"ours  batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s  "
+                  f"decode step {r['decode_step_median_ms']:.2f} ms"
                   f"  TTFT median {r['ttft_median_ms']:.1f} ms", flush=True)
         if not args.quick:
             lens = torch.randint(100, 1025, (256, 2), generator=g).tolist()
@@ -153,7 +154,8 @@ def main():
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{'case':>10} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'step ms':>8} {'x floor':>8} {'TTFT ms':>8}")
+    print(f"\n{'case':>10} {'ours tok/s':>11} {'HF tok/s':>10} {'speedup':>8} {'step ms':>8} {'x floor':>8} "
+          f"{'TTFT ms':>8}")
     for case, r in results["ours"].items():
         hf_r = results["hf"].get(case)
         speedup = f"{r['tok_per_s'] / hf_r['tok_per_s']:.1f}x" if hf_r else "-"

@@ -68,7 +68,8 @@ DECODE_NUM_STAGES = 1 if INTERPRET else 3
 # on the H100 (bf16, 16k tokens, hidden 2048; see benchmarks/results/attention.json for what they reach).
 # ---------------------------------------------------------------------------------------------------------
 if INTERPRET:
-    BACKWARD_DKDV = {d: triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1) for d in (64, 128, 256)}
+    BACKWARD_DKDV = {d: triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)
+                     for d in (64, 128, 256)}
     BACKWARD_DQ = BACKWARD_DKDV
 else:
     BACKWARD_DKDV = {64: triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=3),

@@ -117,9 +117,10 @@ def _decode_merge_kernel(PartialOut, PartialLse, Out, nheads,
 
 
 _SM_COUNT = {}
+HOST_BLIND_MAX_SPLITS = 16  # the cap when the host does not know the context length (see choose_num_splits)
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter: a small count still exercises several splits
     if device.index not in _SM_COUNT:
@@ -127,11 +128,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[device.index]
 
 
-def choose_num_splits(batch: int, nheads_k: int, max_seqlen: int, sm_count: int, block_n: int) -> int:
-    """Enough splits for about two programs per SM, each keeping at least two KV tiles to amortize its q load
-    and the merge."""
-    programs = batch * nheads_k
-    by_occupancy = -(-2 * sm_count // programs)
+def choose_num_splits(batch: int, nheads_k: int, device: torch.device, max_seqlen: int | None = None,
+                      block_n: int = DECODE_BLOCK_N) -> int:
+    """The split-KV policy: enough splits for about two programs per SM, each keeping at least two KV tiles to
+    amortize its q load and the merge. max_seqlen None: the host does not know the context (a CUDA graph replays
+    one split count for every length, and the engine never reads lengths back), so splits follow occupancy alone,
+    capped lower because splits past a short context run empty."""
+    by_occupancy = -(-2 * sm_count(device) // (batch * nheads_k))
+    if max_seqlen is None:
+        return max(1, min(by_occupancy, HOST_BLIND_MAX_SPLITS))
     by_length = max(1, max_seqlen // (2 * block_n))
     return max(1, min(by_occupancy, by_length, 64))
 
@@ -181,7 +186,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sof
     block_n = max(16, block_n // 2 if q.dtype == torch.float32 else block_n)
     if num_splits == 0:
         max_seqlen = block_table.shape[1] * block_size
-        num_splits = choose_num_splits(batch, nheads_k, max_seqlen, _sm_count(q.device), block_n)
+        num_splits = choose_num_splits(batch, nheads_k, q.device, max_seqlen, block_n)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if num_splits > 1:
         partial_out = torch.empty(batch, nheads, seqlen_q, num_splits, head_dim, dtype=torch.float32, device=q.device)

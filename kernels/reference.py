@@ -39,8 +39,7 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale=None
         qs, qe, ks, ke = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
         if qe == qs:
             continue
-        o, l = attention_ref(q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, causal)
-        out[qs:qe], lse[:, qs:qe] = o, l
+        out[qs:qe], lse[:, qs:qe] = attention_ref(q[qs:qe], k[ks:ke], v[ks:ke], softmax_scale, causal)
     return out, lse
 
 

@@ -2,7 +2,8 @@
 
 A full block is identified by a hash chained over its token ids and all blocks before it, so equal hashes
 mean equal prefixes. A full block is registered once its KV is known to be written: `append(seq, tokens)`
-registers full blocks lying entirely before the last token (the last token's KV is written by the next step).
+registers full blocks lying entirely before the last token (the last token's KV is written by the next step);
+`publish(seq, tokens)` registers them without growing the table (a prefill whose KV is now written).
 """
 from kvcache.block_allocator import BlockAllocator
 
@@ -110,11 +111,13 @@ class BlockManager:
         while len(table) < self._num_blocks(n):
             table.append(self.allocator.allocate())
         self.num_tokens[seq_id] = n
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq_id, token_ids)
+        self.publish(seq_id, token_ids)
         return copies
 
-    def _register_full_blocks(self, seq_id, token_ids: list[int]) -> None:
+    def publish(self, seq_id, token_ids: list) -> None:
+        """Registers the sequence's full blocks before its last token in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
         table, hashes, bs = self.tables[seq_id], self.hashes[seq_id], self.block_size
         for index in range(len(hashes), (len(token_ids) - 1) // bs):
             h = self._chain(hashes[-1] if hashes else 0, token_ids[index * bs:(index + 1) * bs])

@@ -1,6 +1,10 @@
 """Every setting of the service, from the command line (--model ...) or the environment (LLM_MODEL=...)."""
+import os
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+ROUTE_GROUPS = ("generate", "openai", "finetune", "metrics")  # what api_key_routes may name
 
 
 class Settings(BaseSettings):
@@ -22,10 +26,16 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(8192, description="token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
+                                          "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
+    compile_cache_dir: str = Field("~/.cache/tritonserve", description="Triton and torch.compile caches, kept "
+                                   "across restarts so a warm start skips compiling and autotuning")
 
     # HTTP
     host: str = "127.0.0.1"
     port: int = 8000
+    api_server_count: int | None = Field(None, ge=1, description="HTTP front-end processes on the port, all attached "
+                                         "to the one engine core (default: a quarter of the CPU cores, 1 to 8)")
     max_waiting_requests: int = Field(512, description="beyond this, 429")
     max_request_bytes: int = Field(1 << 20, description="request body limit")
     max_stop_sequences: int = 16
@@ -45,12 +55,27 @@ class Settings(BaseSettings):
         # Compose passes LLM_MODEL through as "" when the host leaves it unset.
         return value or None
 
+    @field_validator("api_key_routes")
+    @classmethod
+    def _known_route_groups(cls, value: str) -> str:
+        unknown = {g.strip() for g in value.split(",") if g.strip()} - set(ROUTE_GROUPS)
+        if unknown:
+            raise ValueError(f"api_key_routes: unknown route groups {sorted(unknown)}; "
+                             f"known: {', '.join(ROUTE_GROUPS)}")
+        return value
+
     @field_validator("block_size")
     @classmethod
     def _block_size_in_kernel_range(cls, value: int) -> int:
         if not 16 <= value <= 256 or value & (value - 1):
             raise ValueError(f"block_size must be a power of two in 16..256, got {value}")
         return value
+
+
+def default_api_server_count() -> int:
+    """One front-end per four cores: the engine core needs a core of its own, and each front-end about one at
+    full load; the rest is left to tokenizer threads and the system."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
 def load_settings(argv: list[str] | None = None) -> Settings:

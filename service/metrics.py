@@ -1,16 +1,17 @@
 """The Prometheus series of the service (the Grafana dashboards in docker/grafana query these names).
 
-One Metrics object per app holds its own CollectorRegistry. The engine feeds it StepStats after every step;
-the HTTP layer times each request with a RequestTimer; gauges that describe the present (queue, KV cache,
-GPU memory) are refreshed when /metrics is scraped.
+Each process writes the series it knows: the HTTP front-ends time requests (FrontendMetrics), the engine core
+reports steps, queues, the KV cache, GPU memory and fine-tuning (EngineMetrics). The launcher sets
+PROMETHEUS_MULTIPROC_DIR, so prometheus_client keeps every process's values in files there and any front-end's
+/metrics adds them up (counters and histograms summed; the core's gauges taken from the live core). Without it
+(one process: tests, notebooks) the series live in the registry passed in.
 """
+import os
 import time
-from collections.abc import Mapping
 
-import torch
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from service.engine.outputs import StepStats
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5,
                    2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 90.0, 120.0)
@@ -18,11 +19,40 @@ TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(16))  # 1 .. 32768
 ENDPOINTS = ("generate", "generate_stream", "completions", "chat_completions")
 OUTCOMES = ("success", "validation_error", "aborted", "overloaded", "internal_error")
 FINETUNE_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+CORE_GAUGE_MODE = "livemostrecent"  # one writer (the engine core); dropped when it dies
 
 
-class Metrics:
-    def __init__(self):
-        self.registry = r = CollectorRegistry()
+def multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The /metrics text: every process's series in multiprocess mode, else the given registry's."""
+    if multiprocess():
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+    return generate_latest(registry)
+
+
+def observe_many(histogram: Histogram, values: list[float]) -> None:
+    """histogram.observe(v) for every v, with one increment per bucket touched rather than a call per value:
+    the per-token latencies of a whole engine step at once. It adds to the same per-bucket values (non-cumulative,
+    +Inf last) and sum that Histogram.observe does; tests/test_observability.py checks that it stays so."""
+    if not values:
+        return
+    counts = np.bincount(np.searchsorted(histogram._upper_bounds, values, side="left"),
+                         minlength=len(histogram._buckets))
+    histogram._sum.inc(float(np.sum(values)))
+    for bucket, count in zip(histogram._buckets, counts.tolist()):
+        if count:
+            bucket.inc(count)
+
+
+class FrontendMetrics:
+    """Request-level series, written by each HTTP front-end."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
         self.time_to_first_token = Histogram("llm_time_to_first_token_seconds", "Arrival to first generated token",
                                              buckets=LATENCY_BUCKETS, registry=r)
         self.inter_token_latency = Histogram("llm_inter_token_latency_seconds", "Gap between consecutive tokens",
@@ -31,13 +61,10 @@ class Metrics:
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("llm_queue_time_seconds", "Arrival until the step that made the first token",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("llm_engine_step_seconds", "Duration of one engine step",
-                                   buckets=LATENCY_BUCKETS, registry=r)
         self.request_prompt_tokens = Histogram("llm_request_prompt_tokens", "Prompt tokens per request",
                                                buckets=TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("llm_request_generation_tokens", "Generated tokens per request",
                                                    buckets=TOKEN_BUCKETS, registry=r)
-
         self.requests = Counter("llm_requests", "Requests by endpoint and outcome", ["endpoint", "outcome"],
                                 registry=r)
         for endpoint in ENDPOINTS:
@@ -45,56 +72,65 @@ class Metrics:
                 self.requests.labels(endpoint, outcome)
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Generated tokens", registry=r)
+
+    def count_request(self, endpoint: str, outcome: str) -> None:
+        self.requests.labels(endpoint, outcome).inc()
+
+
+class EngineMetrics:
+    """Step, queue, KV-cache, memory and fine-tuning series, written by the engine core."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.step_time = Histogram("llm_engine_step_seconds", "Duration of one engine step",
+                                   buckets=LATENCY_BUCKETS, registry=r)
         self.preemptions = Counter("llm_preemptions", "Sequences preempted by the scheduler", registry=r)
         self.prefix_queried = Counter("llm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("llm_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
                                    registry=r)
 
-        self.running = Gauge("llm_requests_running", "Sequences being generated", registry=r)
-        self.waiting = Gauge("llm_requests_waiting", "Requests waiting for admission", registry=r)
-        self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use", registry=r)
-        self.batch_size = Gauge("llm_batch_size", "Sequences in the last engine step", registry=r)
-        self.gpu_allocated = Gauge("llm_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated", registry=r)
-        self.gpu_reserved = Gauge("llm_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved", registry=r)
-        self.gpu_total = Gauge("llm_gpu_memory_total_bytes", "Total memory of the GPU", registry=r)
+        def gauge(name, doc, labels=()):
+            return Gauge(name, doc, labels, registry=r, multiprocess_mode=CORE_GAUGE_MODE)
 
-        self.finetune_jobs = Gauge("llm_finetune_jobs", "Fine-tuning jobs by state", ["state"], registry=r)
+        self.running = gauge("llm_requests_running", "Sequences being generated")
+        self.waiting = gauge("llm_requests_waiting", "Requests waiting for admission")
+        self.kv_usage = gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+        self.batch_size = gauge("llm_batch_size", "Sequences in the last engine step")
+        self.gpu_allocated = gauge("llm_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated")
+        self.gpu_reserved = gauge("llm_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved")
+        self.gpu_total = gauge("llm_gpu_memory_total_bytes", "Total memory of the GPU")
+        self.finetune_jobs = gauge("llm_finetune_jobs", "Fine-tuning jobs by state", ["state"])
         self.set_finetune_jobs({})
-        self.finetune_tokens_per_second = Gauge("llm_finetune_tokens_per_second", "Training throughput of the "
-                                                "running job", registry=r)
-        self.finetune_loss = Gauge("llm_finetune_loss", "Last training loss", registry=r)
+        self.finetune_tokens_per_second = gauge("llm_finetune_tokens_per_second", "Training throughput of the "
+                                                "running job")
+        self.finetune_loss = gauge("llm_finetune_loss", "Last training loss")
+        for g in (self.running, self.waiting, self.kv_usage, self.batch_size, self.gpu_allocated, self.gpu_reserved,
+                  self.gpu_total, self.finetune_tokens_per_second, self.finetune_loss):
+            g.set(0)  # in multiprocess mode a gauge is exported once written
 
-    def record_step(self, stats: StepStats) -> None:
-        """Engine step listener."""
+    def record_step(self, stats) -> None:
+        """After every engine step (a service.engine.llm_engine.StepStats)."""
         self.step_time.observe(stats.step_seconds)
         self.batch_size.set(stats.batch_size)
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
         self.preemptions.inc(stats.num_preemptions)
         self.prefix_queried.inc(stats.prefix_queried_tokens)
         self.prefix_hits.inc(stats.prefix_hit_tokens)
 
-    def count_request(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(endpoint, outcome).inc()
+    def record_load(self, running: int, waiting: int, kv_usage: float) -> None:
+        """The present: after steps, and when requests come and go while no step runs."""
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+        if running == 0:
+            self.batch_size.set(0)
 
-    def render(self, engine=None) -> bytes:
-        """The exposition text; refreshes the gauges of the present first (no step runs while idle)."""
-        if engine is not None:
-            self.running.set(engine.num_running)
-            self.waiting.set(engine.num_waiting)
-            self.kv_usage.set(engine.kv_usage)
-            if engine.num_running == 0:
-                self.batch_size.set(0)
-        if torch.cuda.is_available():
-            self.gpu_allocated.set(torch.cuda.memory_allocated())
-            self.gpu_reserved.set(torch.cuda.memory_reserved())
-            self.gpu_total.set(torch.cuda.mem_get_info()[1])
-        return generate_latest(self.registry)
+    def record_gpu_memory(self, allocated: int, reserved: int, total: int) -> None:
+        self.gpu_allocated.set(allocated)
+        self.gpu_reserved.set(reserved)
+        self.gpu_total.set(total)
 
-    # The fine-tuning job manager reports through these two.
-    def set_finetune_jobs(self, counts: Mapping[str, int]) -> None:
+    def set_finetune_jobs(self, counts: dict[str, int]) -> None:
         """Number of jobs in each state; states missing from counts are 0."""
         unknown = set(counts) - set(FINETUNE_STATES)
         if unknown:
@@ -109,9 +145,10 @@ class Metrics:
 
 
 class RequestTimer:
-    """Request-level latencies and token counts of one request, observed as its tokens arrive."""
+    """Request-level latencies and token counts of one request, as its tokens arrive (several per call when the
+    front-end's event loop fell behind: the later ones arrived at the same moment)."""
 
-    def __init__(self, metrics: Metrics, endpoint: str, prompt_tokens: int):
+    def __init__(self, metrics: FrontendMetrics, endpoint: str, prompt_tokens: int):
         self.metrics = metrics
         self.endpoint = endpoint
         self.prompt_tokens = prompt_tokens
@@ -119,18 +156,18 @@ class RequestTimer:
         self.last_token: float | None = None
         self.generated_tokens = 0
 
-    def on_token(self, queue_seconds: float | None = None) -> None:
-        """queue_seconds: the engine's wait before first scheduling, reported with the first token."""
-        now = time.perf_counter()
-        m = self.metrics
+    def on_tokens(self, now: float, count: int, gaps: list[float], queue_seconds: float | None = None) -> None:
+        """Observes time to first token at once and appends the inter-token gaps to `gaps`, which the caller
+        observes for many requests in one go (observe_many)."""
         if self.last_token is None:
-            m.time_to_first_token.observe(now - self.arrival)
+            self.metrics.time_to_first_token.observe(now - self.arrival)
             if queue_seconds is not None:
-                m.queue_time.observe(queue_seconds)
+                self.metrics.queue_time.observe(queue_seconds)
         else:
-            m.inter_token_latency.observe(now - self.last_token)
+            gaps.append(now - self.last_token)
+        gaps.extend([0.0] * (count - 1))
         self.last_token = now
-        self.generated_tokens += 1
+        self.generated_tokens += count
 
     def finish(self, outcome: str) -> None:
         """Counts the request once, with its outcome; only finished requests have an end-to-end latency."""

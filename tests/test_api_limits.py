@@ -8,8 +8,8 @@ import time
 import httpx
 import openai
 import pytest
+from server import scrape, serve, serve_in_process, sse_events
 
-from server import scrape, serve, sse_events
 from service.api import create_app
 from service.config import Settings
 from service.metrics import ENDPOINTS, FINETUNE_STATES, OUTCOMES
@@ -92,13 +92,16 @@ def test_health_and_info(base_url):
     assert httpx.get(f"{base_url}/info").json()["max_total_tokens"] == 2048
 
 
-def test_health_is_503_before_the_engine_runs():
+def test_health_is_503_before_an_engine_core_answers(tmp_path):
     async def probe():
-        app = create_app(Settings(device="cpu"))  # lifespan not run: no engine yet
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
-            return await c.get("/health")
+        # nothing listens at this address: the front-end serves, but has no engine core to attach to
+        app = create_app(Settings(device="cpu"), f"ipc://{tmp_path / 'no-core.sock'}")
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
+                return (await c.get("/health")).status_code, await c.post("/generate", json={"inputs": "a"})
 
-    assert asyncio.run(probe()).status_code == 503
+    health, generate = asyncio.run(probe())
+    assert health == 503 and generate.status_code == 503 and generate.json()["error_type"] == "unavailable"
 
 
 def test_many_concurrent_streams(base_url):
@@ -134,8 +137,8 @@ def test_many_concurrent_streams(base_url):
     before = scrape(base_url)
     asyncio.run(run())
     after = wait_idle(base_url)
-    assert requests_total(after, "generate_stream", "success") - requests_total(before, "generate_stream", "success") == 20
-    assert requests_total(after, "chat_completions", "success") - requests_total(before, "chat_completions", "success") == 20
+    for endpoint in ("generate_stream", "chat_completions"):
+        assert requests_total(after, endpoint, "success") - requests_total(before, endpoint, "success") == 20
 
 
 def test_disconnect_mid_stream_frees_the_cache(base_url):
@@ -148,7 +151,8 @@ def test_disconnect_mid_stream_frees_the_cache(base_url):
     # Closing the response closed the connection: the engine must drop the request at once, long before
     # its 2000 tokens could have been generated.
     after = wait_idle(base_url, timeout=3)
-    assert requests_total(after, "generate_stream", "aborted") - requests_total(before, "generate_stream", "aborted") == 1
+    aborted = requests_total(after, "generate_stream", "aborted") - requests_total(before, "generate_stream", "aborted")
+    assert aborted == 1
 
 
 def test_disconnect_while_waiting_for_a_whole_response(base_url):
@@ -234,7 +238,8 @@ def test_api_key():
         assert r.status_code == 401 and r.json()["error_type"] == "authentication"
         assert httpx.get(f"{url}/metrics", headers=good).status_code == 200
         # Groups not listed stay open, and so does /health.
-        assert httpx.post(f"{url}/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}).status_code == 200
+        r = httpx.post(f"{url}/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}})
+        assert r.status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         model = client.models.list().data[0].id
@@ -245,7 +250,7 @@ def test_api_key():
 
 def test_bad_api_key_routes_setting():
     with pytest.raises(ValueError, match="unknown route groups"):
-        create_app(Settings(api_key_routes="generate,everything"))
+        Settings(api_key_routes="generate,everything")
 
 
 @pytest.mark.parametrize("block_size", [8, 24, 512])
@@ -260,12 +265,9 @@ def test_empty_model_env_means_the_default_model(monkeypatch):
 
 
 def test_a_failing_engine_step_is_a_500_and_the_service_keeps_serving():
-    from service.engine.async_engine import AsyncEngine
-
-    engine = AsyncEngine.from_settings(Settings(device="cpu", cuda_graphs=False, cpu_kv_cache_bytes=16 << 20))
     body = {"inputs": "def f():", "parameters": {"max_new_tokens": 4}}
-    with serve(engine=engine) as url:
-        runner = engine.engine.runner
+    with serve_in_process(cpu_kv_cache_bytes=16 << 20) as (url, core):
+        runner = core.engine.runner
         run = runner.run
 
         def fail(*args):

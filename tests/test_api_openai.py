@@ -3,7 +3,6 @@ openai client unchanged, streaming and not, logprobs, model names, and every val
 import httpx
 import openai
 import pytest
-
 from server import scrape, serve
 
 PROMPT = "import os\n"
@@ -103,7 +102,8 @@ def test_huggingface_hub_chat_completion(base_url):
     finish, tokens = out.choices[0].finish_reason, out.usage.completion_tokens
     assert (finish, tokens) == ("length", 3) or (finish == "stop" and 1 <= tokens <= 3)
     chunks = list(client.chat_completion(MESSAGES, max_tokens=3, stream=True))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) and chunks[-1].choices[0].finish_reason
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason
 
 
 def test_unknown_model_is_404(client, base_url):

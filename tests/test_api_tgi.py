@@ -6,7 +6,6 @@ import httpx
 import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError as HFValidationError
-
 from server import scrape, serve, sse_events
 
 PROMPT = "def parse(text):"
@@ -132,7 +131,8 @@ def test_validation_errors(base_url, route):
            (b'{"inputs": "\xff\xfe"}', 400, "UTF-8")]
     for content, status, needle in raw:
         r = httpx.post(base_url + route, content=content, headers={"content-type": "application/json"})
-        assert r.status_code == status and r.json()["error_type"] == "validation" and needle in r.json()["error"], r.text
+        assert r.status_code == status, r.text
+        assert r.json()["error_type"] == "validation" and needle in r.json()["error"], r.text
     after = scrape(base_url)
     key = ("llm_requests_total", (("endpoint", endpoint), ("outcome", "validation_error")))
     assert after[key] - before[key] == len(BAD_REQUESTS) + len(raw)

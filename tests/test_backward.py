@@ -4,7 +4,7 @@ import torch
 
 from kernels.backward import flash_attn_backward
 from kernels.reference import varlen_attention_ref
-from tests.helpers import cu_seqlens, rel_err, random_seqlens
+from tests.helpers import cu_seqlens, random_seqlens, rel_err
 
 
 def _grads_ref(q, k, v, do, cu_q, cu_k, scale, causal):

@@ -1,16 +1,15 @@
 """The engine end to end on a tiny random Llama (CPU, fp32): batching, preemption, prefix caching and chunked
 prefill never change greedy outputs; sampling, stops, aborts, errors; no KV block leaks."""
-import asyncio
-
+import msgspec
 import pytest
 import torch
-
-from service.engine.async_engine import AsyncEngine, EngineOverloaded, EngineStepError, RequestRejected
-from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.llm import LLM
-from service.engine.sampler import Sampler
-from service.engine.sampling_params import SamplingParams
 from tiny_models import VOCAB, make_tiny_model
+
+from service.engine.llm import LLM
+from service.engine.llm_engine import EngineStepError, RequestRejected
+from service.engine.sampler import Sampler
+from service.protocol import SamplingParams
+from service.text import TextStream
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
 
@@ -25,7 +24,7 @@ def make_llm(model_dir, **overrides):
 
 
 def assert_no_leaks(llm):
-    bm = llm.engine.block_manager
+    bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_work and not llm.engine.requests
 
 
@@ -47,14 +46,15 @@ def alone(model_dir, prompts):
     return [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
 @pytest.mark.parametrize("settings", [
     dict(num_kv_blocks=512, max_num_batched_tokens=512),  # admitted over a few steps: prefix cache hits
     dict(num_kv_blocks=24),  # tiny cache: preemption and recomputation
     dict(num_kv_blocks=512, max_num_batched_tokens=32),  # chunked prefill
     dict(num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=5),
 ], ids=["batched", "preempting", "chunked", "all-tight"])
-def test_batch_matches_alone(model_dir, prompts, alone, settings):
-    llm = make_llm(model_dir, **settings)
+def test_batch_matches_alone(model_dir, prompts, alone, settings, async_scheduling):
+    llm = make_llm(model_dir, async_scheduling=async_scheduling, **settings)
     preemptions, hits = [], []
     step = llm.engine.step
 
@@ -76,12 +76,13 @@ def test_batch_matches_alone(model_dir, prompts, alone, settings):
     assert_no_leaks(llm)
 
 
-def test_sampling_seeds_stops_and_lengths(model_dir):
-    llm = make_llm(model_dir, num_kv_blocks=128)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_sampling_seeds_stops_and_lengths(model_dir, async_scheduling):
+    llm = make_llm(model_dir, num_kv_blocks=128, async_scheduling=async_scheduling)
     prompt = [5, 6, 7, 8, 9]
     seeded = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
     first, second, other = llm.generate([prompt, prompt, prompt], [seeded, seeded,
-                                        SamplingParams(**{**seeded.__dict__, "seed": 8})])
+                                        msgspec.structs.replace(seeded, seed=8)])
     assert first.token_ids == second.token_ids and first.text == second.text
     assert first.token_ids != other.token_ids
     assert len(first.token_ids) == 12 and first.finish_reason == "length"
@@ -93,7 +94,8 @@ def test_sampling_seeds_stops_and_lengths(model_dir):
     assert stopped.finish_reason == "stop" and stopped.text == base.text[:base.text.index(stop)]
     by_token = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0,
                                                      stop_token_ids=[base.token_ids[3]]))[0]
-    assert by_token.finish_reason == "stop" and by_token.token_ids == base.token_ids[:base.token_ids.index(base.token_ids[3]) + 1]
+    stop_at = base.token_ids.index(base.token_ids[3])
+    assert by_token.finish_reason == "stop" and by_token.token_ids == base.token_ids[:stop_at + 1]
     eos = llm.engine.eos_token_ids
     llm.engine.eos_token_ids = {base.token_ids[2]}
     ended = llm.generate([prompt], SamplingParams(max_new_tokens=20, temperature=0.0))[0]
@@ -135,23 +137,65 @@ def test_rejections(model_dir):
     assert_no_leaks(llm)
 
 
+def test_aborts_and_ends_while_a_step_is_in_flight(model_dir):
+    """Overlapped: a request aborted, or ended by EOS, while its next token is already being computed loses
+    that token, and its blocks are free once the engine is idle."""
+    llm = make_llm(model_dir, num_kv_blocks=64, async_scheduling=True)
+    engine = llm.engine
+    base = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    engine.eos_token_ids = {base[3]}
+    engine.add_request("eos", [5, 6, 7], SamplingParams(max_new_tokens=10, temperature=0.0))
+    engine.add_request("aborted", [5, 6, 7], GREEDY)
+    engine.add_request("kept", [5, 6, 7], GREEDY)
+    tokens = {"eos": [], "aborted": [], "kept": []}
+    while engine.has_work:
+        outputs, _ = engine.step()
+        assert engine._in_flight is None or engine._in_flight.seqs  # a step is in flight between calls
+        for out in outputs:
+            tokens[out.request_id].append(out.token_id)
+        if len(tokens["aborted"]) == 2 and "aborted" in engine.requests:
+            assert engine.abort("aborted")
+    assert tokens["eos"] == base[:4] and tokens["aborted"] == base[:2] and tokens["kept"] == base
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_a_failing_step_fails_its_requests_only(model_dir, async_scheduling):
+    llm = make_llm(model_dir, num_kv_blocks=64, async_scheduling=async_scheduling)
+    engine = llm.engine
+    run = engine.runner.run
+
+    def fail_once(batch, pending):
+        engine.runner.run = run
+        raise RuntimeError("injected fault")
+    engine.runner.run = fail_once
+    with pytest.raises(EngineStepError, match="injected fault"):
+        llm.generate([[5, 6, 7], [8, 9]], GREEDY)
+    for rid in list(engine.requests):  # generate() raised on the first error: drop what it left
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    assert [o.token_ids for o in llm.generate([[5, 6, 7]], GREEDY)] == [llm.generate([[5, 6, 7]], GREEDY)[0].token_ids]
+    assert_no_leaks(llm)
+
+
 def test_sampler_filters():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
     greedy = logits.argmax(-1).tolist()
     sampler = Sampler()
     for p in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(temperature=0.0)):
-        out = sampler(logits.clone(), [p] * 3, [None] * 3, [[0]] * 3)
-        assert out.token_ids == greedy
-    out = sampler(logits.clone(), [SamplingParams(temperature=0.0, logprobs=True, top_logprobs=3)] * 3,
-                  [None] * 3, [[0]] * 3)
+        tokens, _, _ = sampler(logits.clone(), [p] * 3, [None] * 3).fetch()
+        assert tokens == greedy
+    tokens, logprobs, tops = sampler(logits.clone(), [SamplingParams(temperature=0.0, logprobs=True,
+                                                                     top_logprobs=3)] * 3, [None] * 3).fetch()
     expected = logits.log_softmax(-1)
-    assert out.logprobs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-5)
-    assert [t[0][0] for t in out.top_logprobs] == greedy and len(out.top_logprobs[0]) == 3
+    assert logprobs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-5)
+    assert [t[0][0] for t in tops] == greedy and len(tops[0]) == 3
     # a strong repetition penalty moves greedy off a token already seen
     penalized = sampler(logits.clone(), [SamplingParams(temperature=0.0, repetition_penalty=1e6)] * 3,
-                        [None] * 3, [[g] for g in greedy])
-    assert all(a != b for a, b in zip(penalized.token_ids, greedy))
+                        [None] * 3, [[g] for g in greedy]).fetch()[0]
+    assert all(a != b for a, b in zip(penalized, greedy))
 
 
 def test_detokenizer_utf8_and_stop_holdback(model_dir):
@@ -159,7 +203,7 @@ def test_detokenizer_utf8_and_stop_holdback(model_dir):
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     text = "héllo 世界, def f(x): return x"
     ids = tok.encode(text)
-    detok = IncrementalDetokenizer(tok, [1], [])
+    detok = TextStream(tok, [1], [])
     pieces = [detok.add(t)[0] for t in ids]
     assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
 
@@ -173,82 +217,12 @@ def test_detokenizer_utf8_and_stop_holdback(model_dir):
         raise AssertionError("the stop string was never hit")
 
     stop_at = text.index("f(x")
-    assert until_stop(IncrementalDetokenizer(tok, [1], ["f(x"])) == text[:stop_at]
-    assert until_stop(IncrementalDetokenizer(tok, [1], ["f(x"], include_stop=True)) == text[:stop_at + 3]  # TGI
-
-
-def test_async_engine_streams_aborts_and_errors(model_dir):
-    from service.config import Settings
-
-    async def main():
-        engine = AsyncEngine.from_settings(Settings(model=str(model_dir), device="cpu", dtype="float32",
-                                                    num_kv_blocks=64, max_waiting_requests=4))
-        stats = []
-        engine.add_step_listener(stats.append)
-        await engine.start()
-        assert engine.ready
-
-        async def collect(rid, params=GREEDY):
-            return [o async for o in engine.add_request(rid, [4, 5, 6], params)]
-
-        outs = await asyncio.gather(*(collect(f"r{i}") for i in range(3)))
-        assert all(len(o) == 10 and o[-1].finished and o[-1].finish_reason == "length" for o in outs)
-        assert [o.index for o in outs[0]] == list(range(10)) and stats
-
-        # consumer leaves early -> blocks freed at once
-        stream = engine.add_request("early", [4, 5, 6], SamplingParams(max_new_tokens=200))
-        async for out in stream:
-            if out.index == 2:
-                break
-        await stream.aclose()
-        bm = engine.engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks
-
-        # explicit abort
-        stream = engine.add_request("ab", [4, 5, 6], SamplingParams(max_new_tokens=200))
-        await stream.__anext__()
-        await engine.abort("ab")
-        assert bm.num_free_blocks == bm.num_blocks
-
-        with pytest.raises(RequestRejected):
-            engine.add_request("x", [], GREEDY)
-
-        # a failing step fails that step's requests and the loop goes on
-        run = engine.engine.runner.run
-        engine.engine.runner.run = lambda *a: (_ for _ in ()).throw(RuntimeError("boom"))
-        with pytest.raises(EngineStepError, match="boom"):
-            await collect("fail")
-        engine.engine.runner.run = run
-        assert len(await collect("after")) == 10
-        assert bm.num_free_blocks == bm.num_blocks
-
-        await engine.shutdown(drain_seconds=5)
-        with pytest.raises(EngineOverloaded):
-            engine.add_request("late", [1], GREEDY)
-
-    asyncio.run(main())
-
-
-def test_async_engine_overload(model_dir):
-    from service.config import Settings
-
-    async def main():
-        engine = AsyncEngine.from_settings(Settings(model=str(model_dir), device="cpu", dtype="float32",
-                                                    num_kv_blocks=64, max_waiting_requests=2))
-        # not started: requests stay waiting
-        streams = [engine.add_request(f"w{i}", [1, 2], GREEDY) for i in range(2)]
-        with pytest.raises(EngineOverloaded):
-            engine.add_request("w2", [1, 2], GREEDY)
-        await engine.start()
-        for s in streams:
-            assert [o async for o in s][-1].finished
-        await engine.shutdown()
-
-    asyncio.run(main())
+    assert until_stop(TextStream(tok, [1], ["f(x"])) == text[:stop_at]
+    assert until_stop(TextStream(tok, [1], ["f(x"], include_stop=True)) == text[:stop_at + 3]  # TGI
 
 
 def test_adapters_are_served_per_request(model_dir):
-    from service.finetune.lora import Adapter, LoRAConfig, add_adapter
+    from service.model.lora import Adapter, LoRAConfig, add_adapter
 
     adapter = None
 

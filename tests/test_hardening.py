@@ -5,7 +5,6 @@ import json
 
 import httpx
 import pytest
-
 from server import scrape, serve, sse_events
 
 DEEP = 50_000  # nesting past any parser's recursion limit
@@ -150,7 +149,8 @@ def test_a_surrogate_in_job_metadata_is_a_400_and_creates_no_job(base_url):
     raw = ('{"model": "%s", "training_file": "%s", "metadata": {"k": %s}}'
            % (model_name(base_url), upload["id"], SURROGATE))
     before = httpx.get(f"{base_url}/v1/fine_tuning/jobs").json()["data"]
-    r = httpx.post(f"{base_url}/v1/fine_tuning/jobs", content=raw.encode(), headers={"content-type": "application/json"})
+    r = httpx.post(f"{base_url}/v1/fine_tuning/jobs", content=raw.encode(),
+                   headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     after = httpx.get(f"{base_url}/v1/fine_tuning/jobs")
     assert after.status_code == 200 and after.json()["data"] == before

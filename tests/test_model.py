@@ -2,11 +2,11 @@
 steps through the paged KV cache (reference attention on CPU, our kernels on CUDA)."""
 import pytest
 import torch
-
 from helpers import rel_err
+from tiny_models import KINDS, VOCAB, make_tiny_model
+
 from service.model.attention import AttentionMetadata
 from service.model.loader import load_model
-from tiny_models import KINDS, VOCAB, make_tiny_model
 
 
 @pytest.fixture(scope="module", params=KINDS)

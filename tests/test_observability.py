@@ -167,6 +167,28 @@ def dashboard_queries() -> list[tuple[str, str]]:
     return queries
 
 
+def test_observe_many_adds_what_observe_would():
+    """service.metrics.observe_many reaches into prometheus_client's Histogram: it must stay equal to a loop of
+    observe() (bucket edges included) with the prometheus_client installed."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.metrics import LATENCY_BUCKETS, observe_many
+
+    values = [0.0, 0.001, 0.0011, 0.02, 0.0199, 5.0, 7.4, 200.0, 0.5, 0.5] + [i / 997 for i in range(300)]
+    registry = CollectorRegistry()
+    one = Histogram("one", "", buckets=LATENCY_BUCKETS, registry=registry)
+    many = Histogram("many", "", buckets=LATENCY_BUCKETS, registry=registry)
+    for v in values:
+        one.observe(v)
+    observe_many(many, values[:7])
+    observe_many(many, [])
+    observe_many(many, values[7:])
+    samples = {m.name: {(s.name.split("_", 1)[1], s.labels.get("le")): s.value for s in m.samples
+                        if "created" not in s.name} for m in registry.collect()}
+    total = samples["one"].pop(("sum", None))
+    assert samples["many"].pop(("sum", None)) == pytest.approx(total) and samples["many"] == samples["one"]
+
+
 @pytest.fixture(scope="module")
 def observed(tmp_path_factory):
     """Runs the whole stack and the load; yields (Prometheus URL, locust stats rows, locust output)."""

@@ -4,7 +4,7 @@ import torch
 
 from kernels.interface import flash_attn_func, flash_attn_varlen_func
 from kernels.reference import attention_ref, gather_paged_kv, varlen_attention_ref
-from tests.helpers import cu_seqlens, rel_err, random_seqlens
+from tests.helpers import cu_seqlens, random_seqlens, rel_err
 
 
 def _tol(dtype, device):

@@ -1,6 +1,7 @@
-"""The FastAPI application: routes, error handling, request ids and logs, metrics, engine lifecycle."""
-import asyncio
+"""The FastAPI application of an HTTP front-end process: routes, error handling, request ids and logs, metrics,
+and its client of the engine core (which runs in another process)."""
 import logging
+import os
 import re
 import time
 import uuid
@@ -8,17 +9,16 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from service.api import openai_routes, tgi_routes
+from service.api import finetune_routes, openai_routes, tgi_routes
 from service.api.auth import protected_groups, require_api_key
+from service.api.engine_client import EngineClient
 from service.api.errors import install_handlers
+from service.api.generation import engine
 from service.config import Settings
-from service.finetune import routes as finetune_routes
-from service.finetune.jobs import JobManager
-from service.metrics import Metrics
+from service.metrics import FrontendMetrics, exposition
 
-DRAIN_SECONDS = 30.0
 ENDPOINTS = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream",
              "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 OUTCOME_BY_STATUS = {429: "overloaded", 503: "overloaded"}
@@ -28,30 +28,24 @@ _REQUEST_ID = re.compile(r"[\w.:-]{1,128}")
 log = logging.getLogger("service.api")
 
 
-def create_app(settings: Settings, engine=None) -> FastAPI:
-    """The app serving `engine`; when None, the engine is loaded from settings at start-up (lifespan)."""
+def create_app(settings: Settings, engine_address: str, name: str | None = None,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    """The app of one front-end, attached to the engine core at engine_address (a ZeroMQ address). name: this
+    front-end's identity towards the core (unique among the core's front-ends)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if app.state.engine is None:
-            from service.engine.async_engine import AsyncEngine  # loads torch and the model code
-            app.state.engine = await asyncio.to_thread(AsyncEngine.from_settings, settings)
-        app.state.engine.add_step_listener(app.state.metrics.record_step)
-        await app.state.engine.start()
-        finetune = JobManager(settings, app.state.engine, app.state.metrics)
-        await finetune.start()
-        app.state.finetune = finetune
-        log.info("serving %s (context %d tokens)", app.state.engine.model_name, app.state.engine.max_model_len)
+        client = EngineClient(engine_address, name or f"api-{os.getpid()}", app.state.metrics)
+        await client.start()
+        app.state.engine = client
         yield
-        log.info("shutting down: draining requests for up to %.0f s", DRAIN_SECONDS)
-        await finetune.shutdown()
-        await app.state.engine.shutdown(drain_seconds=DRAIN_SECONDS)
+        await client.close()
 
     app = FastAPI(title="tritonserve", lifespan=lifespan)
     app.state.settings = settings
-    app.state.engine = engine
-    app.state.finetune = None  # the JobManager, once the engine runs
-    app.state.metrics = Metrics()
+    app.state.engine = None  # the EngineClient, once the app runs
+    app.state.registry = registry if registry is not None else CollectorRegistry()
+    app.state.metrics = FrontendMetrics(app.state.registry)
     app.state.protected_groups = protected_groups(settings.api_key_routes)
     app.state.started = int(time.time())
 
@@ -70,19 +64,20 @@ def create_app(settings: Settings, engine=None) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request):
-        ready = request.app.state.engine is not None and request.app.state.engine.ready
+        client = request.app.state.engine
+        ready = client is not None and client.ready and client.accepting
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
 
     @app.get("/info")
     async def info(request: Request):
-        engine = request.app.state.engine
-        return {"model_id": engine.model_name, "max_total_tokens": engine.max_model_len,
-                "max_stop_sequences": settings.max_stop_sequences, "max_waiting_requests": settings.max_waiting_requests}
+        client = engine(request)
+        return {"model_id": client.model_name, "max_total_tokens": client.max_model_len,
+                "max_stop_sequences": settings.max_stop_sequences,
+                "max_waiting_requests": settings.max_waiting_requests}
 
     @app.get("/metrics", dependencies=[Depends(require_api_key("metrics"))])
     async def metrics(request: Request):
-        body = request.app.state.metrics.render(request.app.state.engine)
-        return Response(body, media_type=CONTENT_TYPE_LATEST)
+        return Response(exposition(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

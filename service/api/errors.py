@@ -31,6 +31,11 @@ def overloaded() -> APIError:
     return APIError(429, "Model is overloaded", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
 
 
+def unavailable() -> APIError:
+    return APIError(503, "the engine is not running (starting, restarting or stopped)", code="unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 

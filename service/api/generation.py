@@ -1,32 +1,48 @@
-"""What the TGI and OpenAI routes share: fitting a prompt into the context, submitting it to the engine, timing
-its tokens, and aborting it the moment its client goes away."""
+"""What the TGI and OpenAI routes share: fitting a prompt into the context, submitting it to the engine core,
+timing its tokens, and aborting it the moment its client goes away."""
 import asyncio
 import secrets
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 
 import anyio
+import msgspec
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from service.api.errors import APIError, overloaded
-from service.engine.async_engine import EngineOverloaded, EngineStepError, RequestRejected
-from service.engine.outputs import TokenOutput
-from service.engine.sampling_params import SamplingParams
+from service.api.engine_client import (
+    EngineDead,
+    EngineOverloaded,
+    EngineStepError,
+    RequestRejected,
+    RequestStream,
+    TokenOutput,
+)
+from service.api.errors import APIError, overloaded, unavailable
 from service.metrics import RequestTimer
+from service.protocol import SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+json_bytes = msgspec.json.Encoder().encode  # NaN and infinities become null: the output is always JSON
 
 
-def sse(data: str) -> str:
-    return f"data: {data}\n\n"
+def sse(payload) -> bytes:
+    """One server-sent event: `payload` as JSON, or as is when it is already bytes (b"[DONE]")."""
+    return b"data: " + (payload if isinstance(payload, bytes) else json_bytes(payload)) + b"\n\n"
+
+
+def engine(request: Request):
+    """The app's engine client, or 503 while no engine core serves."""
+    client = request.app.state.engine
+    if client is None or not client.ready:
+        raise unavailable()
+    return client
 
 
 class EventStream(StreamingResponse):
     """A server-sent event response for one generation, released even if the client left before the first
     event was produced (the body iterator then never starts, so its own cleanup never runs)."""
 
-    def __init__(self, events: AsyncIterator[str], generation: "Generation"):
+    def __init__(self, events: AsyncIterator[bytes], generation: "Generation"):
         super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
         self.generation = generation
 
@@ -35,13 +51,7 @@ class EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self.generation.release()
-
-
-def served_models(state) -> list[str]:
-    """The base model's name, then the fine-tuned models (adapters) ready to serve."""
-    finetune = state.finetune
-    return [state.engine.model_name, *(finetune.served_models() if finetune is not None else [])]
+                self.generation.release()
 
 
 def check_stop(stop: list[str], max_stop_sequences: int, param: str) -> None:
@@ -68,57 +78,60 @@ def fit_context(prompt_tokens: int, max_new_tokens: int | None, default: int | N
 
 
 class Generation:
-    """One admitted request. Creating it submits the request (429 / 422 at once if the engine refuses);
-    tokens() streams its outputs, timing each, and records its outcome exactly once when it ends."""
+    """One admitted request. `await Generation.submit(...)` admits it (429 / 422 / 503 at once if the core
+    refuses); batches() streams its outputs, timing each, and records its outcome exactly once when it ends."""
 
-    def __init__(self, request: Request, endpoint: str, prompt_token_ids: list[int], params: SamplingParams,
-                 adapter: str | None, prompt_param: str):
-        state = request.app.state
+    def __init__(self, request: Request, endpoint: str, stream: RequestStream, prompt_tokens: int):
         self.request = request
-        # The client may reuse its X-Request-Id; the engine needs a unique id.
-        self.engine_id = f"{request.state.request_id}-{secrets.token_hex(4)}"
+        self.stream = stream
+        self.engine_id = stream.request_id
+        request.state.counted = True  # from here on the outcome is recorded by _finish(), not the error handler
+        self.timer = stream.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens)
+        self.outcome = "aborted"  # until the engine says it finished
+        self.done = False
+
+    @classmethod
+    async def submit(cls, request: Request, endpoint: str, prompt_token_ids: list[int], params: SamplingParams,
+                     adapter: str | None, prompt_param: str) -> "Generation":
+        client = engine(request)
+        # The client may reuse its X-Request-Id; the engine (and the OpenAI response id) needs a unique id.
+        engine_id = f"{request.state.request_id}-{secrets.token_hex(4)}"
         try:
-            self._stream = state.engine.add_request(self.engine_id, prompt_token_ids, params, adapter)
+            stream = await client.add_request(engine_id, prompt_token_ids, params, adapter)
         except EngineOverloaded:
             raise overloaded() from None
-        except RequestRejected as e:  # what the engine can judge: the prompt against the model and KV cache
+        except RequestRejected as e:  # what the core can judge: the prompt against the model and KV cache
             raise APIError(422, f"{prompt_param}: {e}", param=prompt_param, code="invalid_value") from None
-        request.state.counted = True  # from here on the outcome is recorded by finish(), not the error handler
-        self.timer = RequestTimer(state.metrics, endpoint, len(prompt_token_ids))
-        self.outcome = "aborted"  # until the engine says it finished
-        self.started = False
+        except EngineDead:
+            raise unavailable() from None
+        return cls(request, endpoint, stream, len(prompt_token_ids))
 
-    async def tokens(self) -> AsyncIterator[TokenOutput]:
-        self.started = True
+    async def batches(self) -> AsyncIterator[list[TokenOutput]]:
+        """The request's tokens, in lists of those that arrived since the last one was taken."""
         try:
-            async with aclosing(self._stream) as stream:
-                async for out in stream:
-                    self.timer.on_token(out.queue_seconds)
-                    if out.finished:
-                        self.outcome = "success"
-                    yield out
+            async for batch in self.stream.batches():
+                if batch[-1].finished:
+                    self.outcome = "success"
+                yield batch
         except Exception:  # EngineStepError, or a bug; cancellation (client gone) is not an Exception
             self.outcome = "internal_error"
             raise
         finally:
-            self._finish()
+            self.release()
 
-    def _finish(self) -> None:
+    def release(self) -> None:
+        """Ends the request once: aborts it in the core if it is still running, and records its outcome."""
+        if self.done:
+            return
+        self.done = True
+        self.request.app.state.engine.abort(self.engine_id)
         self.timer.finish(self.outcome)
         self.request.state.generation = (self.outcome, self.timer.prompt_tokens, self.timer.generated_tokens)
-
-    async def release(self) -> None:
-        """Aborts the request if nobody ever consumed its tokens; a no-op otherwise."""
-        if not self.started:
-            self.started = True
-            await self.request.app.state.engine.abort(self.engine_id)
-            self._finish()
 
     async def collect(self) -> list[TokenOutput] | None:
         """All outputs, or None if the client disconnected first (the request is then aborted at once)."""
         async def run():
-            async with aclosing(self.tokens()) as tokens:
-                return [out async for out in tokens]
+            return [out async for batch in self.batches() for out in batch]
 
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_disconnected(self.request))
@@ -129,7 +142,7 @@ class Generation:
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-            await self.release()
+            self.release()
         if work.cancelled():
             return None
         try:

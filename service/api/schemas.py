@@ -5,7 +5,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.engine.sampling_params import MAX_TOP_K
+from service.protocol import MAX_TOP_K
 
 U64 = 2 ** 64
 
@@ -78,6 +78,7 @@ class TGIParameters(_Body):
     decoder_input_details: bool = False
     adapter_id: str | None = None
     truncate: int | None = Field(None, ge=1)
+    ignore_eos: bool = False  # an extension (as vLLM's): generate max_new_tokens whatever the model says
     best_of: Annotated[int | None, _only(1)] = None
     top_n_tokens: Annotated[int | None, _only(0)] = None
     typical_p: Annotated[float | None, _only(1.0)] = None
@@ -115,6 +116,7 @@ class OpenAIRequest(_Body):
     # extensions (as in vLLM)
     top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
     repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
 
 
 class CompletionRequest(OpenAIRequest):

@@ -1,20 +1,17 @@
 """text-generation-inference routes: POST /generate, POST /generate_stream, and POST / (either, by `stream`),
 which is where huggingface_hub's InferenceClient(base_url).text_generation posts."""
-import json
 import random
-from contextlib import aclosing
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from service.api.auth import require_api_key
 from service.api.body import read_json
+from service.api.engine_client import EngineStepError, TokenOutput
 from service.api.errors import APIError
-from service.api.generation import EventStream, Generation, check_stop, fit_context, served_models, sse
+from service.api.generation import EventStream, Generation, check_stop, engine, fit_context, json_bytes, sse
 from service.api.schemas import TGIParameters, TGIRequest
-from service.engine.async_engine import EngineStepError
-from service.engine.outputs import TokenOutput
-from service.engine.sampling_params import SamplingParams
+from service.protocol import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's documented default, capped by the room the context leaves
 FINISH_REASONS = {"length": "length", "eos_token": "eos_token", "stop": "stop_sequence"}
@@ -33,47 +30,48 @@ def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
         max_new_tokens=max_new_tokens,
         temperature=(p.temperature or 1.0) if sample else 0.0,
         top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
-        seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True)
+        seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True,
+        ignore_eos=p.ignore_eos)
 
 
 def _token(out: TokenOutput) -> dict:
     return {"id": out.token_id, "text": out.text, "logprob": out.logprob, "special": out.special}
 
 
-def _generated_text(body: TGIRequest, outputs: list[TokenOutput]) -> str:
-    text = "".join(out.text for out in outputs)
+def _generated_text(body: TGIRequest, text: str) -> str:
     return body.inputs + text if body.parameters.return_full_text else text
 
 
-def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Generation, SamplingParams, list[int]]:
-    state = request.app.state
+async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Generation, SamplingParams, list[int]]:
+    client = engine(request)
     p = body.parameters
-    check_stop(p.stop or [], state.settings.max_stop_sequences, "parameters.stop")
-    engine = state.engine
-    prompt_ids = engine.tokenizer.encode(body.inputs)
+    check_stop(p.stop or [], request.app.state.settings.max_stop_sequences, "parameters.stop")
+    prompt_ids = await client.encode(body.inputs)
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]
-    max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, engine.max_model_len,
+    max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, client.max_model_len,
                                  "inputs", "parameters.max_new_tokens")
     params = sampling_params(p, max_new_tokens)
-    return Generation(request, endpoint, prompt_ids, params, _adapter(state, p.adapter_id), "inputs"), params, prompt_ids
+    generation = await Generation.submit(request, endpoint, prompt_ids, params, _adapter(client, p.adapter_id),
+                                         "inputs")
+    return generation, params, prompt_ids
 
 
-def _adapter(state, adapter_id: str | None) -> str | None:
-    if adapter_id is None or adapter_id == state.engine.model_name:
+def _adapter(client, adapter_id: str | None) -> str | None:
+    if adapter_id is None or adapter_id == client.model_name:
         return None
-    if adapter_id not in served_models(state):
+    if adapter_id not in client.served_models():
         raise APIError(422, f"parameters.adapter_id: unknown adapter {adapter_id!r}; served: "
-                            f"{', '.join(served_models(state))}", param="parameters.adapter_id")
+                            f"{', '.join(client.served_models())}", param="parameters.adapter_id")
     return adapter_id
 
 
 async def _generate(request: Request, body: TGIRequest) -> Response:
-    generation, params, prompt_ids = _submit(request, body, "generate")
+    generation, params, prompt_ids = await _submit(request, body, "generate")
     outputs = await generation.collect()
     if outputs is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    result = {"generated_text": _generated_text(body, outputs)}
+    result = {"generated_text": _generated_text(body, "".join(out.text for out in outputs))}
     if body.parameters.details:
         decode = request.app.state.engine.tokenizer.decode
         prefill = ([{"id": t, "text": decode([t]), "logprob": None} for t in prompt_ids]
@@ -81,28 +79,30 @@ async def _generate(request: Request, body: TGIRequest) -> Response:
         result["details"] = {"finish_reason": FINISH_REASONS[outputs[-1].finish_reason],
                              "generated_tokens": len(outputs), "seed": params.seed, "prefill": prefill,
                              "tokens": [_token(out) for out in outputs]}
-    return JSONResponse(result)
+    return Response(json_bytes(result), media_type="application/json")
 
 
 async def _generate_stream(request: Request, body: TGIRequest) -> Response:
-    generation, params, _ = _submit(request, body, "generate_stream")
+    generation, params, _ = await _submit(request, body, "generate_stream")
 
     async def events():
-        outputs = []
+        text = []
         try:
-            async with aclosing(generation.tokens()) as tokens:
-                async for out in tokens:
-                    outputs.append(out)
+            async for batch in generation.batches():
+                chunk = []
+                for out in batch:
+                    text.append(out.text)
                     event = {"index": out.index, "token": _token(out), "top_tokens": None,
                              "generated_text": None, "details": None}
                     if out.finished:
-                        event["generated_text"] = _generated_text(body, outputs)
+                        event["generated_text"] = _generated_text(body, "".join(text))
                         event["details"] = {"finish_reason": FINISH_REASONS[out.finish_reason],
-                                            "generated_tokens": len(outputs), "seed": params.seed,
-                                            "input_length": out.prompt_tokens}
-                    yield sse(json.dumps(event))
+                                            "generated_tokens": out.index + 1, "seed": params.seed,
+                                            "input_length": generation.timer.prompt_tokens}
+                    chunk.append(sse(event))
+                yield b"".join(chunk)
         except EngineStepError as e:
-            yield sse(json.dumps({"error": f"generation failed: {e}", "error_type": "generation"}))
+            yield sse({"error": f"generation failed: {e}", "error_type": "generation"})
 
     return EventStream(events(), generation)
 

@@ -208,7 +208,7 @@ def main():
 def sample(model_dir: Path) -> dict[str, str]:
     """Continuations of a few prompts by the saved model, through the serving engine."""
     from service.engine.llm import LLM
-    from service.engine.sampling_params import SamplingParams
+    from service.protocol import SamplingParams
 
     llm = LLM(str(model_dir), gpu_memory_utilization=0.2)
     params = SamplingParams(max_new_tokens=60, temperature=0.7, top_p=0.9, seed=0)

@@ -1,10 +1,12 @@
-"""Offline batch generation: LLM(model).generate(prompts, params)."""
+"""Offline batch generation: LLM(model).generate(prompts, params). The engine runs in this process (no IPC), with
+the same text handling as the HTTP front-ends: for benchmarks, scripts and notebooks."""
 import itertools
 from dataclasses import dataclass
 
 from service.config import Settings
-from service.engine.llm_engine import LLMEngine
-from service.engine.sampling_params import SamplingParams
+from service.engine.llm_engine import EngineStepError, LLMEngine
+from service.protocol import SamplingParams
+from service.text import TextStream
 
 
 @dataclass
@@ -23,24 +25,36 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """prompts: strings or token-id lists (or one of either). Runs them all to completion, batched."""
+        """prompts: strings or token-id lists (or one of either). Runs them all to completion, batched. Raises
+        EngineStepError if a step fails."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
-        results = {}
+        results, texts = {}, {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = f"llm-{next(self._ids)}"
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.engine.add_request(rid, ids, p)
             results[rid] = RequestOutput(prompt, "", [], None)
+            texts[rid] = TextStream(self.tokenizer, ids, p.stop, p.include_stop_str_in_output)
         while self.engine.has_work:
             outputs, _ = self.engine.step()
             for out in outputs:
+                if out.error is not None:
+                    raise EngineStepError(out.error)
                 r = results[out.request_id]
-                r.text += out.text
+                if r.finish_reason is not None:  # ended by a stop string; the engine had one more in flight
+                    continue
+                piece, hit_stop = texts[out.request_id].add(out.token_id)
+                r.text += piece
                 r.token_ids.append(out.token_id)
-                r.cached_prompt_tokens = out.cached_prompt_tokens
-                if out.finished:
+                if out.prompt_tokens:
+                    r.cached_prompt_tokens = out.cached_prompt_tokens
+                if hit_stop:
+                    r.finish_reason = "stop"
+                    self.engine.abort(out.request_id)
+                elif out.finish_reason is not None:
+                    r.text += texts[out.request_id].flush()
                     r.finish_reason = out.finish_reason
         return list(results.values())

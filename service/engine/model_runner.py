@@ -1,115 +1,174 @@
-"""Turns a scheduled batch into tensors, runs the model (eagerly, or by replaying a CUDA graph for pure-decode
-steps) and returns the logits of the rows to sample."""
+"""The runner owns the forward pass's inputs and the KV-cache tensors: it turns a scheduled batch into tensors
+(one builder for steps, warm-up, memory profiling and graph capture), then runs the model eagerly, or replays a
+captured CUDA graph for pure-decode steps, and returns the logits of the rows to sample. Engine-core process.
+
+A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
+takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
+"""
 import logging
 
 import torch
 
+from kernels.decode import choose_num_splits
+from kvcache import KVCache
+from service.engine.scheduler import ScheduledBatch
+from service.engine.sequence import PENDING
 from service.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 
 
-def decode_num_splits(batch_size: int, nheads_k: int, sm_count: int) -> int:
-    """Split-KV count of a decode step: enough programs to fill the GPU for small batches, none extra for
-    large ones. A function of the batch size only, so a step computes the same in a graph and eagerly, and
-    the kernel never reads sequence lengths on the host."""
-    return max(1, min(16, -(-2 * sm_count // (batch_size * nheads_k))))
-
-
 class ModelRunner:
-    def __init__(self, model, kv_cache, block_manager, max_model_len: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, cuda_graphs: bool):
+    def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int):
         self.model = model
-        self.kv_cache = kv_cache
-        self.block_manager = block_manager
-        block_size = block_manager.block_size
+        self.cfg = model.config
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
-        model.bind_kv_cache(kv_cache.k_caches, kv_cache.v_caches)
+        self.kv_cache: KVCache | None = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count \
-            if self.device.type == "cuda" else 1
-        if self.device.type == "cuda":
-            self._warm_up_prefill(min(max_num_batched_tokens, max_model_len))
-        if cuda_graphs and self.device.type == "cuda":
-            self._capture_graphs(max_num_seqs)
 
+    # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
         return torch.tensor(data, dtype=dtype, pin_memory=self.device.type == "cuda").to(self.device, non_blocking=True)
 
-    @torch.inference_mode()
-    def run(self, seqs, num_tokens: list[int], copies) -> tuple[torch.Tensor, list[int]]:
-        """Computes num_tokens[i] new tokens of seqs[i] (from its num_computed_tokens on). Returns logits of
-        the sequences whose chunk reaches their last token, and those sequences' indices in seqs."""
-        self.kv_cache.copy_blocks(copies)
-        input_ids, positions, slots, seqlens_q, seqlens_k, tables = [], [], [], [], [], []
-        sample_rows, sample_index, row = [], [], 0
-        for i, (seq, n) in enumerate(zip(seqs, num_tokens)):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slots += self.block_manager.slot_mapping(seq.request_id, start, end)
-            seqlens_q.append(n)
-            seqlens_k.append(end)
-            tables.append(self.block_manager.tables[seq.request_id])
-            row += n
-            if end == len(seq.token_ids):
-                sample_rows.append(row - 1)
-                sample_index.append(i)
-        decode = all(n == 1 for n in num_tokens)
-        batch = len(seqs)
-        adapters = any(seq.adapter is not None for seq in seqs)
-        graph_bs = next((bs for bs in self.graphs if bs >= batch), None) if decode and not adapters else None
-        if graph_bs is not None:
-            logits = self._replay(graph_bs, input_ids, positions, slots, seqlens_k, tables)[:batch]
-            return logits[sample_rows], sample_index
+    def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
+                write_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of a flat batch: sequence b's new tokens are the last
+        seqlens_q[b] of its seqlens_k[b], in the blocks tables[b]. Slots are computed on the device from the
+        block table (no per-token host loop); write_cache=False leaves the cache untouched (slots -1)."""
+        num_tokens, batch = len(input_ids), len(seqlens_q)
         width = max(map(len, tables))
         block_table = self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-        cu_q = self._tensor([0] + seqlens_q, torch.int32).cumsum(0, dtype=torch.int32)
-        cu_k = self._tensor([0] + seqlens_k, torch.int32).cumsum(0, dtype=torch.int32)
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots, torch.int64), block_table=block_table,
-                                 seqlens_k=self._tensor(seqlens_k, torch.int32), cu_seqlens_q=cu_q,
-                                 cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k),
-                                 decode=decode,
-                                 num_splits=decode_num_splits(batch, self.model.config.num_key_value_heads,
-                                                              self.sm_count))
-        if adapters:  # LoRA on the rows of the sequences that asked for one (hooks, so never in a graph)
-            from service.finetune.lora import serving_adapters
-            rows = [seq.adapter for seq, n in zip(seqs, num_tokens) for _ in range(n)]
-            with serving_adapters(self.model, rows, self.device):
-                hidden = self.model(self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta)
+        lens_q, lens_k = self._tensor(seqlens_q, torch.int32), self._tensor(seqlens_k, torch.int32)
+        cu_q = torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0))
+        seq_of_token = torch.repeat_interleave(torch.arange(batch, device=self.device), lens_q, output_size=num_tokens)
+        positions = (torch.arange(num_tokens, device=self.device) - cu_q[seq_of_token]
+                     + (lens_k - lens_q)[seq_of_token]).long()
+        if write_cache:
+            slots = block_table[seq_of_token, positions // self.block_size].long() * self.block_size \
+                + positions % self.block_size
         else:
-            hidden = self.model(self._tensor(input_ids, torch.long), self._tensor(positions, torch.long), meta)
+            slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
+        if all(n == 1 for n in seqlens_q):
+            meta = self._decode_metadata(slots, block_table, lens_k)
+        else:
+            cu_k = torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
+            meta = AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=lens_k, cu_seqlens_q=cu_q,
+                                     cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
+        return self._tensor(input_ids, torch.long), positions, meta
+
+    def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
+        # The split count depends on the batch size only, so a graph and an eager step compute the same.
+        splits = choose_num_splits(block_table.shape[0], self.cfg.num_key_value_heads, self.device)
+        return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, decode=True,
+                                 num_splits=splits)
+
+    # -- steps -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, pending: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+        """Computes batch.num_tokens[i] new tokens of batch.seqs[i] from batch.starts[i] on; pending: the
+        previous step's sampled tokens on the device (for PENDING inputs). Returns logits of the sequences whose
+        chunk reaches their last token, and those sequences' indices in the batch."""
+        self.kv_cache.copy_blocks(batch.copies)
+        input_ids, seqlens_q, seqlens_k, fill_rows, from_rows, sample_rows, sample_index = [], [], [], [], [], [], []
+        for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
+            end = start + n
+            input_ids += seq.token_ids[start:end]
+            if input_ids[-1] == PENDING:  # only a sequence's last token can be
+                fill_rows.append(len(input_ids) - 1)
+                from_rows.append(seq.pending_row)
+            seqlens_q.append(n)
+            seqlens_k.append(end)
+            if end == len(seq.token_ids):
+                sample_rows.append(len(input_ids) - 1)
+                sample_index.append(i)
+        decode = len(input_ids) == len(batch.seqs)
+        adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
+        graph_bs = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
+        if decode and graph_bs is not None and not any(adapters):
+            logits = self._replay(graph_bs, batch, input_ids, fill_rows, from_rows, pending)
+            return logits[sample_rows], sample_index
+        ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables)
+        if fill_rows:
+            ids[self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
+        if any(adapters):  # LoRA on the rows of the sequences that asked for one (hooks, so never in a graph)
+            from service.model.lora import serving_adapters
+            with serving_adapters(self.model, adapters, self.device):
+                hidden = self.model(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta)
         return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
+
+    # -- start-up ----------------------------------------------------------------------------------------
+    def _cache(self, num_blocks: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+                       self.dtype, str(self.device))
+
+    def _full_budget_batch(self) -> tuple[list[int], list[list[int]]]:
+        """The largest prefill step: max_num_batched_tokens split over as many sequences as allowed, each with its
+        own consecutive blocks."""
+        tokens = min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+        seqs = max(1, min(self.max_num_seqs, tokens))
+        lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
+        tables, first = [], 0
+        for n in lens:
+            blocks = -(-n // self.block_size)
+            tables.append(list(range(first, first + blocks)))
+            first += blocks
+        return lens, tables
+
+    @torch.inference_mode()
+    def profile_activation_peak(self) -> int:
+        """Peak activation memory (bytes) of a full-budget prefill step, run against a throwaway cache."""
+        lens, tables = self._full_budget_batch()
+        cache = self._cache(tables[-1][-1] + 1)
+        self.model.bind_kv_cache(cache.k_caches, cache.v_caches)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        ids, positions, meta = self._inputs([0] * sum(lens), lens, lens, tables)
+        hidden = self.model(ids, positions, meta)
+        self.model.compute_logits(hidden[:len(lens)]).float().softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del cache, hidden
+        torch.cuda.empty_cache()
+        log.info("profiled activation peak: %.1f MiB for %d tokens", peak / 2**20, sum(lens))
+        return peak
+
+    def allocate_kv_cache(self, num_blocks: int, cuda_graphs: bool) -> KVCache:
+        """Allocates the KV cache, binds it to the model, and on CUDA tunes prefill and captures decode graphs."""
+        self.kv_cache = self._cache(num_blocks)
+        self.model.bind_kv_cache(self.kv_cache.k_caches, self.kv_cache.v_caches)
+        if self.device.type == "cuda":
+            self._warm_up_prefill(min(self.max_num_batched_tokens, self.max_model_len))
+            if cuda_graphs:
+                self._capture_graphs()
+        return self.kv_cache
 
     @torch.inference_mode()
     def _warm_up_prefill(self, max_tokens: int):
         """One throwaway prefill per query-length bucket of the prefill kernel's autotuner (powers of two up to
         the step budget): tuning and compiling a bucket takes seconds, which belongs to start-up, not to the
-        first request that reaches that length. Slots are -1, so the cache is never written."""
+        first request that reaches that length. The cache is never written."""
         lengths = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
-        block_size = self.block_manager.block_size
         for n in lengths:
-            ids = torch.zeros(n, dtype=torch.long, device=self.device)
-            cu = torch.tensor([0, n], dtype=torch.int32, device=self.device)
-            meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                                     block_table=torch.zeros(1, -(-n // block_size), dtype=torch.int32,
-                                                             device=self.device),
-                                     seqlens_k=cu[1:], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n,
-                                     max_seqlen_k=n)
-            hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-            self.model.compute_logits(hidden[-1:])
+            ids, positions, meta = self._inputs([0] * n, [n], [n], [[0] * -(-n // self.block_size)], write_cache=False)
+            self.model.compute_logits(self.model(ids, positions, meta)[-1:])
         torch.cuda.synchronize(self.device)
         log.info("warmed up prefill for query lengths %s", lengths)
 
     # -- CUDA graphs for decode --------------------------------------------------------------------------
-    def _capture_graphs(self, max_num_seqs: int):
-        sizes = [bs for bs in GRAPH_BATCH_SIZES if bs < max_num_seqs] + [max_num_seqs]
-        sizes = sorted({min(bs, max_num_seqs) for bs in sizes})
-        max_bs = sizes[-1]
-        dev = self.device
-        nheads_k = self.model.config.num_key_value_heads
+    def _capture_graphs(self):
+        sizes = sorted({min(bs, self.max_num_seqs) for bs in GRAPH_BATCH_SIZES + [self.max_num_seqs]})
+        max_bs, dev = sizes[-1], self.device
         self.static = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
@@ -121,13 +180,10 @@ class ModelRunner:
         pool = None
         for bs in reversed(sizes):  # largest first so the memory pool fits all
             s = {k: v[:bs] for k, v in self.static.items()}
-            splits = decode_num_splits(bs, nheads_k, self.sm_count)
-            meta = AttentionMetadata(slot_mapping=s["slot_mapping"], block_table=s["block_table"],
-                                     seqlens_k=s["seqlens_k"], decode=True, num_splits=splits)
+            meta = self._decode_metadata(s["slot_mapping"], s["block_table"], s["seqlens_k"])
 
             def forward():
-                hidden = self.model(s["input_ids"], s["positions"], meta)
-                return self.model.compute_logits(hidden)
+                return self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta))
 
             with torch.inference_mode():
                 s["seqlens_k"].fill_(1)
@@ -143,14 +199,23 @@ class ModelRunner:
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
-    def _replay(self, bs, input_ids, positions, slots, seqlens_k, tables):
+    @torch.inference_mode()
+    def _replay(self, bs: int, batch: ScheduledBatch, input_ids: list[int], fill_rows: list[int],
+                from_rows: list[int], pending: torch.Tensor | None) -> torch.Tensor:
+        """Writes a decode step's inputs into the graph's static buffers (stream-ordered copies: the step in
+        flight has read them by then) and replays the graph of batch size bs."""
+        block_size, tables = self.block_size, batch.block_tables
         width = max(map(len, tables))
-        rows = [[t, p, slot, n] + table + [0] * (width - len(table))
-                for t, p, slot, n, table in zip(input_ids, positions, slots, seqlens_k, tables)]
+        rows = []
+        for token, table, start in zip(input_ids, tables, batch.starts):
+            rows.append([token, start, table[start // block_size] * block_size + start % block_size, start + 1]
+                        + table + [0] * (width - len(table)))
         rows += [[0, 0, -1, 0] + [0] * width] * (bs - len(rows))  # padding rows: no slot, no keys
         dev = self._tensor(rows, torch.int64)
         s = self.static
         s["input_ids"][:bs] = dev[:, 0]
+        if fill_rows:
+            s["input_ids"][self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
         s["positions"][:bs] = dev[:, 1]
         s["slot_mapping"][:bs] = dev[:, 2]
         s["seqlens_k"][:bs] = dev[:, 3]

@@ -1,18 +1,35 @@
-"""Batched sampling on the device: one call turns a step's logits into next tokens (and logprobs)."""
+"""Batched sampling on the device: one call turns a step's logits into next tokens (and logprobs), left on the
+device for the next step's inputs, with their copy to the host started at once. `Sampled.fetch()` waits for that
+copy: the one host synchronization of a step."""
 from dataclasses import dataclass
 
 import torch
 
-from service.engine.sampling_params import SamplingParams
+from service.protocol import SamplingParams
 
-LOGPROB_FLOOR = -9999.0
+LOGPROB_FLOOR = -9999.0  # what a masked token's -inf logprob is reported as (JSON has no -inf), as vLLM does
 
 
 @dataclass
-class SamplerOutput:
-    token_ids: list[int]
-    logprobs: list[float] | None  # of the sampled token, under the processed distribution
-    top_logprobs: list[list[tuple[int, float]]] | None
+class Sampled:
+    token_ids: torch.Tensor  # [rows] int64, on the device
+    _host: list[torch.Tensor]  # [tokens, logprob of each, top-k ids, top-k logprobs] being copied to the host
+    _ready: torch.cuda.Event | None
+    top_logprobs: list[int]  # per row: how many top logprobs it asked for
+
+    def fetch(self) -> tuple[list[int], list[float] | None, list[list[tuple[int, float]] | None] | None]:
+        """(token ids, logprobs of the sampled tokens or None, top logprobs per row or None), once copied."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        tokens = self._host[0].tolist()
+        if len(self._host) == 1:
+            return tokens, None, None
+        chosen = self._host[1].tolist()
+        if len(self._host) == 2:
+            return tokens, chosen, None
+        ids, values = self._host[2].tolist(), self._host[3].tolist()
+        tops = [list(zip(ids[i][:k], values[i][:k])) if k else None for i, k in enumerate(self.top_logprobs)]
+        return tokens, chosen, tops
 
 
 def _apply_repetition_penalty(logits, penalties, seen: list[list[int]]):
@@ -44,11 +61,22 @@ def _top_k_top_p(logits, top_k, top_p):
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    if not tensors[0].is_cuda:
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 seen_tokens: list[list[int]]) -> SamplerOutput:
+                 seen_tokens: list[list[int]] | None = None) -> Sampled:
         """logits [batch, vocab] (any float dtype) -> one token per row. generators: torch.Generator or None per
-        row; seen_tokens: each row's prompt + output tokens (for the repetition penalty)."""
+        row; seen_tokens: each row's prompt + output tokens, needed only for the repetition penalty."""
         logits = logits.float()
         device = logits.device
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -73,18 +101,15 @@ class Sampler:
                     noise[i].exponential_(generator=g)
             sampled = (probs / noise).argmax(-1)
             tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), sampled)
-        want_logprobs = any(p.logprobs or p.top_logprobs > 0 for p in params)
-        if not want_logprobs:
-            return SamplerOutput(tokens.tolist(), None, None)
-        # Tokens masked by top-k/top-p have logprob -inf, which JSON cannot carry: report them as -9999 (as vLLM).
-        logp = logits.log_softmax(-1).clamp_min(LOGPROB_FLOOR)
-        chosen = logp.gather(1, tokens[:, None]).squeeze(1)
-        k = max(p.top_logprobs for p in params)
-        top = logp.topk(k, dim=-1) if k > 0 else None
-        token_list, chosen = tokens.tolist(), chosen.tolist()
-        tops = None
-        if top is not None:
-            values, indices = top.values.tolist(), top.indices.tolist()
-            tops = [list(zip(indices[i][:p.top_logprobs], values[i][:p.top_logprobs])) if p.top_logprobs else None
-                    for i, p in enumerate(params)]
-        return SamplerOutput(token_list, chosen, tops)
+        top_counts = [p.top_logprobs for p in params]
+        copies = [tokens]
+        if any(p.logprobs or p.top_logprobs > 0 for p in params):
+            # Tokens masked by top-k/top-p have logprob -inf, which JSON cannot carry: floor it.
+            logp = logits.log_softmax(-1).clamp_min(LOGPROB_FLOOR)
+            copies.append(logp.gather(1, tokens[:, None]).squeeze(1))
+            k = max(top_counts)
+            if k > 0:
+                top = logp.topk(k, dim=-1)
+                copies += [top.indices, top.values]
+        host, ready = _to_host(copies)
+        return Sampled(tokens, host, ready, top_counts)

@@ -1,32 +1,45 @@
-"""Continuous batching: which sequences run in the next step, and how many of their tokens.
+"""Continuous batching: which sequences run in the next step, and how many of their tokens. The scheduler is the
+one owner of KV-cache bookkeeping (block tables, prefix cache, copy-on-write), through its BlockManager.
 
 Every step spends a token budget: running sequences first (oldest first: one token per decode, the next
 chunk of an unfinished prefill), then waiting sequences are admitted while blocks and budget last. When a
 running sequence needs a block and none is free, the newest running sequences are preempted: their blocks
 are freed and they go back to the front of the queue, to be recomputed later (prefix caching usually finds
 their blocks again).
+
+With overlapped scheduling, step N+1 is scheduled while step N runs: a sequence sampled in step N already holds
+that token (still PENDING on the GPU), so it decodes again in N+1, unless that token is its last (length limit).
+Freeing blocks while a step that uses them is in flight is safe: any later use is by a later step, which the GPU
+runs after it.
 """
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvcache import BlockManager
 from service.engine.sequence import Sequence, Status
 
 
 @dataclass
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # position of each sequence's first new token
     num_tokens: list[int] = field(default_factory=list)  # new tokens of each sequence in this step
     is_prefill: list[bool] = field(default_factory=list)  # prompt (or recomputation) chunk, not a decode
+    block_tables: list[list[int]] = field(default_factory=list)  # each sequence's blocks (read-only for the runner)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to do first
     num_preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, table: list[int]) -> None:
+        """Schedules tokens [num_computed_tokens, + n) of seq: from here on their KV counts as computed."""
         self.seqs.append(seq)
+        self.starts.append(seq.num_computed_tokens)
         self.num_tokens.append(n)
         self.is_prefill.append(n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens)
+        self.block_tables.append(table)
+        seq.num_computed_tokens += n
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -34,16 +47,22 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager, max_num_seqs: int, max_num_batched_tokens: int):
-        self.block_manager = block_manager
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -56,6 +75,10 @@ class Scheduler:
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
+
+    def at_limit(self, seq: Sequence) -> bool:
+        """Whether the sequence's last token (perhaps still PENDING) is the last it may have."""
+        return seq.num_output_tokens >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_model_len
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -71,7 +94,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
-            if seq.status != Status.RUNNING:  # preempted below while making room for an older one
+            # preempted below while making room for an older one, or its token in flight is its last
+            if seq.status != Status.RUNNING or self.at_limit(seq):
                 continue
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
             missing = len(seq.token_ids) - bm.num_tokens[seq.request_id]
@@ -86,7 +110,7 @@ class Scheduler:
             if missing:
                 batch.copies += bm.append(seq.request_id, seq.cache_keys)
             n = min(seq.num_uncomputed_tokens, budget)
-            batch.add(seq, n)
+            batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
         while (self.waiting and budget > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and not batch.num_preemptions):
@@ -101,8 +125,13 @@ class Scheduler:
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
             self.running.append(seq)
             n = min(seq.num_uncomputed_tokens, budget)
-            batch.add(seq, n)
+            batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
+        for seq, prefill in zip(batch.seqs, batch.is_prefill):
+            if prefill and seq.num_computed_tokens == len(seq.token_ids):
+                # The prompt's KV is complete once this step runs: publish its full blocks to the prefix cache.
+                # Only later steps can hit them (admissions above are done), and the GPU runs those after this one.
+                bm.publish(seq.request_id, seq.cache_keys)
         batch.prefix_queried_tokens = bm.prefix_queried_tokens - queried
         batch.prefix_hit_tokens = bm.prefix_hit_tokens - hits
         return batch

@@ -1,12 +1,13 @@
-"""One request's state as it moves through the engine."""
+"""One request's state as it moves through the engine core."""
 import enum
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from service.engine.detokenizer import IncrementalDetokenizer
-from service.engine.sampling_params import SamplingParams
+from service.protocol import SamplingParams
+
+PENDING = -1  # token id of a sampled token still on the GPU (see Sequence.pending_row)
 
 
 class Status(enum.Enum):
@@ -20,15 +21,18 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
     generator: torch.Generator | None = None  # seeded requests only
     adapter: str | None = None
     token_ids: list[int] = field(init=False)  # prompt + generated
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being written by the step in flight)
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     arrival: float = field(default_factory=time.perf_counter)
     queue_seconds: float | None = None  # arrival until first scheduled; None while never admitted
+    # With overlapped scheduling the step in flight has sampled this sequence's last token, but its value is still
+    # on the GPU: token_ids[-1] is PENDING and pending_row is its row in that step's sampled tokens. The next step
+    # reads its input from there on the device; the host learns the value when the step completes.
+    pending_row: int = -1
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -36,6 +40,10 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
 
     @property
     def cache_keys(self) -> list:

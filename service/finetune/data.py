@@ -5,8 +5,15 @@ Each line is one of
     {"prompt": str, "completion": str}   loss on the completion (and the EOS after it)
     {"messages": [{"role", "content"}]}  rendered with the tokenizer's chat template; loss on assistant turns
     {"text": str}                        loss on every token (plain language modelling)
+
+The front-end that accepts a job tokenizes its files once and stores the examples beside them (save_examples);
+the engine core reads them back when the job starts (load_examples), so its loop never waits on the tokenizer.
 """
+import os
 from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
 
 from service import strict_json
 
@@ -122,3 +129,18 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int) -> list[Examp
             raise ValueError(f"example {i} has no tokens to learn from")
         examples.append(ex)
     return examples
+
+
+def examples_path(files_dir: Path, file_id: str) -> Path:
+    return Path(files_dir) / f"{file_id}.examples"
+
+
+def save_examples(files_dir: Path, file_id: str, examples: list[Example]) -> None:
+    path = examples_path(files_dir, file_id)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_bytes(msgspec.msgpack.encode(examples))
+    os.replace(tmp, path)
+
+
+def load_examples(files_dir: Path, file_id: str) -> list[Example]:
+    return msgspec.msgpack.decode(examples_path(files_dir, file_id).read_bytes(), type=list[Example])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from service.finetune.data import Example
-from service.finetune.lora import Adapter, LoRAConfig, activate, install
+from service.model.lora import Adapter, LoRAConfig, activate, install
 
 IGNORE = -100
 

@@ -65,7 +65,8 @@ def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
                     raise ValueError(f"unexpected tensor {name!r} in {shard.name}")
                 tensor = f.get_tensor(name)
                 if tensor.shape != params[name].shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(params[name].shape)}")
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "
+                                     f"!= model {tuple(params[name].shape)}")
                 with torch.no_grad():
                     params[name].copy_(tensor)
                 missing.discard(name)
@@ -77,11 +78,6 @@ def load_model(model_dir, dtype: torch.dtype, device) -> LlamaForCausalLM:
     if missing:
         raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
     return model.eval()
-
-
-def load_tokenizer(model_dir):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 def eos_token_ids(model_dir, tokenizer) -> set[int]:

@@ -1,18 +1,18 @@
-"""Fine-tuning jobs and their files, kept on disk under settings.finetune_dir so a restarted server lists them
-and serves their adapters again:
+"""Fine-tuning files and jobs, owned by the engine core and kept on disk under settings.finetune_dir, so a
+restarted server lists them and serves their adapters again:
 
-    files/<file-id>.jsonl, files/<file-id>.json            uploaded data and its metadata
-    jobs/<job-id>/job.json                                  the job (the OpenAI fine_tuning.job object + ours)
-    jobs/<job-id>/events.jsonl                              its events, oldest first
-    jobs/<job-id>/adapter.safetensors                       the trained adapter (written atomically)
+    files/<file-id>.jsonl, files/<file-id>.json          uploaded data and its metadata
+    files/<file-id>.examples                            its tokenized examples (service.finetune.data)
+    jobs/<job-id>/job.json                              the job (the OpenAI fine_tuning.job object + ours)
+    jobs/<job-id>/events.jsonl                          its events, oldest first
+    jobs/<job-id>/adapter.safetensors                   the trained adapter (written atomically)
 
-Jobs run one at a time in a background asyncio task of the serving process, on the served model's GPU. Each
-micro-batch runs in a worker thread; between two of them the task yields to serving: while the engine has
-requests (running or waiting) it sleeps so that training takes at most `finetune_duty_cycle` of the time (by
-default half: a pause as long as the micro-batch just done), and runs back to back when the engine is idle.
-A finished job's adapter is added to the served model under its fine_tuned_model name at once.
+The front-ends do the heavy lifting off the core's loop (upload parsing, tokenization) and call in here for the
+metadata, so every front-end sees one state. Jobs run one at a time on the engine's model and device, one
+micro-batch per call of train_step() from the core's loop, between engine steps: while requests are being served
+a job takes at most `finetune_duty_cycle` of the time (by default half: a pause as long as the micro-batch just
+done), and when the engine is idle it runs back to back. A finished job's adapter is served at once.
 """
-import asyncio
 import json
 import logging
 import os
@@ -20,14 +20,16 @@ import random
 import re
 import time
 import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from service.engine.async_engine import cancel_and_wait
-from service.finetune.data import parse_jsonl, tokenize_records
-from service.finetune.lora import TARGETS, Adapter, LoRAConfig, add_adapter
-from service.finetune.trainer import StepResult, Trainer, TrainConfig, TrainingDiverged
+from service.finetune.data import load_examples
+from service.finetune.trainer import StepResult, TrainConfig, Trainer, TrainingDiverged
+from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class JobError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "message": self.message, "param": self.param, "code": self.code}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -61,98 +66,83 @@ def _page(items: list[dict], after: str | None, limit: int) -> dict:
             "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None}
 
 
+@dataclass
+class _Run:
+    """The job being trained."""
+    job: dict
+    trainer: Trainer
+    steps: object  # the trainer's micro-batch generator
+    valid_file: str | None
+    trained_tokens: int = 0
+    not_before: float = 0.0  # perf_counter time before which the next micro-batch must wait (duty cycle)
+
+
 class JobManager:
-    def __init__(self, settings, engine, metrics=None):
-        self.settings, self.engine, self.metrics = settings, engine, metrics
+    # What the front-ends may call (service.protocol.Call.method).
+    CALLS = ("register_file", "list_files", "get_file", "create_job", "list_jobs", "get_job", "cancel_job",
+             "list_events")
+
+    def __init__(self, settings, model, model_name: str, metrics=None,
+                 on_adapters_changed: Callable[[list[str]], None] = lambda names: None):
+        self.settings, self.model, self.model_name, self.metrics = settings, model, model_name, metrics
+        self.on_adapters_changed = on_adapters_changed
         self.root = Path(settings.finetune_dir)
         self.files_dir, self.jobs_dir = self.root / "files", self.root / "jobs"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.jobs_dir.mkdir(parents=True, exist_ok=True)
         self.files = {p.stem: json.loads(p.read_text()) for p in sorted(self.files_dir.glob("*.json"))}
         self.jobs = {p.parent.name: json.loads(p.read_text()) for p in sorted(self.jobs_dir.glob("*/job.json"))}
-        self._cancelled: set[str] = set()
-        self._queue: asyncio.Queue[str] | None = None
-        self._task: asyncio.Task | None = None
-
-    @property
-    def model(self):
-        return self.engine.engine.model
-
-    # -- lifecycle ---------------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Serves the adapters of succeeded jobs, fails jobs a previous server left running, queues the rest."""
-        self._queue = asyncio.Queue()
+        self.queue: deque[str] = deque()
+        self.run: _Run | None = None
         for job in sorted(self.jobs.values(), key=lambda j: j["created_at"]):
             if job["status"] == "succeeded":
                 try:
-                    await asyncio.to_thread(self._serve_adapter, job)
+                    self._serve_adapter(job)
                 except Exception as e:  # a damaged adapter must not keep the server from starting
                     log.exception("cannot serve the adapter of %s", job["id"])
                     self._finish(job, "failed", error=("adapter_unavailable", f"the adapter cannot be loaded: {e}"))
             elif job["status"] == "running":
                 self._finish(job, "failed", error=("interrupted", "the server restarted while the job was running"))
             elif job["status"] == "queued":
-                self._queue.put_nowait(job["id"])
+                self.queue.append(job["id"])
         self._update_job_gauge()
-        self._task = asyncio.create_task(self._worker(), name="finetune-worker")
-
-    async def shutdown(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
 
     def served_models(self) -> list[str]:
         return [j["fine_tuned_model"] for j in self.jobs.values() if j["status"] == "succeeded"]
 
-    # -- files -------------------------------------------------------------------------------------------
-    async def create_file(self, filename: str, purpose: str, data: bytes) -> dict:
-        if purpose != "fine-tune":
-            raise JobError(400, f"purpose must be 'fine-tune', got {purpose!r}", param="purpose")
-        if len(data) > self.settings.finetune_max_file_bytes:
-            raise JobError(413, f"the file is larger than {self.settings.finetune_max_file_bytes} bytes", param="file")
-        try:
-            await asyncio.to_thread(parse_jsonl, data)
-        except ValueError as e:
-            raise JobError(400, f"invalid training file {filename!r}: {e}", param="file", code="invalid_file") from None
-        file_id = f"file-{uuid.uuid4().hex[:24]}"
-        meta = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
-                "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
-                "expires_at": None}
-        tmp = self.files_dir / f"{file_id}.jsonl.tmp"
-        await asyncio.to_thread(tmp.write_bytes, data)
-        os.replace(tmp, self.files_dir / f"{file_id}.jsonl")
-        _write_json(self.files_dir / f"{file_id}.json", meta)
-        self.files[file_id] = meta
+    # -- files (the front-end validated and wrote the data) ----------------------------------------------
+    def register_file(self, meta: dict) -> dict:
+        _write_json(self.files_dir / f"{meta['id']}.json", meta)
+        self.files[meta["id"]] = meta
         return meta
 
     def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10000) -> dict:
         files = [f for f in self.files.values() if purpose is None or f["purpose"] == purpose]
         return _page(sorted(files, key=lambda f: f["created_at"], reverse=True), after, limit)
 
-    def get_file(self, file_id: str) -> dict:
+    def get_file(self, file_id: str, param: str = "file_id") -> dict:
         if file_id not in self.files:
-            raise JobError(404, f"no file with id {file_id!r}", param="file_id", code="file_not_found")
+            status, code = (404, "file_not_found") if param == "file_id" else (400, "file_not_found")
+            raise JobError(status, f"{'' if param == 'file_id' else param + ': '}no file with id {file_id!r}",
+                           param=param, code=code)
         return self.files[file_id]
 
-    def _examples(self, file_id: str, param: str):
-        if file_id not in self.files:
-            raise JobError(400, f"{param}: no file with id {file_id!r}", param=param, code="file_not_found")
-        records = parse_jsonl((self.files_dir / f"{file_id}.jsonl").read_bytes())
-        try:
-            return tokenize_records(records, self.engine.tokenizer, self.engine.max_model_len)
-        except ValueError as e:
-            raise JobError(400, f"{param} {file_id}: {e}", param=param, code="invalid_file") from None
-
     # -- jobs --------------------------------------------------------------------------------------------
-    async def create_job(self, req: dict) -> dict:
-        """req: the validated request body (routes.CreateJobRequest as a dict). Checks everything that can be
-        checked now, so a bad request fails here with a 4xx rather than later as a failed job."""
-        if req["model"] != self.engine.model_name:
+    def create_job(self, body: dict, num_examples: int) -> dict:
+        """body: the validated request (routes' CreateJobRequest as a dict), whose files the front-end has
+        tokenized (num_examples in the training file). Checks everything that can be checked now, so a bad
+        request fails here with a 4xx rather than later as a failed job."""
+        req = body
+        if req["model"] != self.model_name:
             raise JobError(404, f"model {req['model']!r} cannot be fine-tuned here; the served base model is "
-                                f"{self.engine.model_name!r}", param="model", code="model_not_found")
+                                f"{self.model_name!r}", param="model", code="model_not_found")
         if req.get("integrations"):
             raise JobError(400, "integrations are not supported", param="integrations")
         if req.get("suffix") is not None and not _SUFFIX.fullmatch(req["suffix"]):
             raise JobError(400, "suffix must be 1-40 characters of letters, digits, '-' and '_'", param="suffix")
+        for param in ("training_file", "validation_file"):
+            if req.get(param):
+                self.get_file(req[param], param)
         hp = self._hyperparameters(req)
         extra = req.get("extra") or {}
         kind = extra.get("type") or "lora"
@@ -169,19 +159,16 @@ class JobManager:
                               targets=extra.get("target_modules") or TARGETS, full=kind == "full")
         except ValueError as e:
             raise JobError(400, f"extra: {e}", param="extra") from None
-        examples = await asyncio.to_thread(self._examples, req["training_file"], "training_file")
-        if req.get("validation_file"):
-            await asyncio.to_thread(self._examples, req["validation_file"], "validation_file")
-        batch_size = hp["batch_size"] if hp["batch_size"] != "auto" else min(4, len(examples))
+        batch_size = hp["batch_size"] if hp["batch_size"] != "auto" else min(4, num_examples)
         accum = extra.get("gradient_accumulation_steps") or 1
         if batch_size % accum:
             raise JobError(400, f"hyperparameters.batch_size ({batch_size}) is not a multiple of "
                                 f"extra.gradient_accumulation_steps ({accum})", param="extra")
-        if batch_size > len(examples):
+        if batch_size > num_examples:
             raise JobError(400, f"hyperparameters.batch_size ({batch_size}) is larger than the training file "
-                                f"({len(examples)} examples)", param="hyperparameters")
+                                f"({num_examples} examples)", param="hyperparameters")
         job_id = f"ftjob-{uuid.uuid4().hex[:24]}"
-        name = f"{self.engine.model_name}:ft-{req['suffix'] + '-' if req.get('suffix') else ''}{job_id[6:14]}"
+        name = f"{self.model_name}:ft-{req['suffix'] + '-' if req.get('suffix') else ''}{job_id[6:14]}"
         seed = req["seed"] if req.get("seed") is not None else random.randrange(1 << 31)
         hyperparameters = {"n_epochs": hp["n_epochs"] if hp["n_epochs"] != "auto" else 3, "batch_size": batch_size,
                            "learning_rate_multiplier": hp["learning_rate_multiplier"]
@@ -204,7 +191,7 @@ class JobManager:
         self._save(job)
         self._event(job, f"Created fine-tuning job {job_id}")
         self._update_job_gauge()
-        self._queue.put_nowait(job_id)
+        self.queue.append(job_id)
         return job
 
     def _hyperparameters(self, req: dict) -> dict:
@@ -236,8 +223,7 @@ class JobManager:
         job = self.get_job(job_id)
         if job["status"] in FINISHED:
             raise JobError(400, f"job {job_id} has already {job['status']}", param="fine_tuning_job_id")
-        self._cancelled.add(job_id)  # a running job stops before its next micro-batch
-        self._finish(job, "cancelled")
+        self._finish(job, "cancelled")  # a running job stops before its next micro-batch
         return job
 
     def list_events(self, job_id: str, after: str | None = None, limit: int = 20) -> dict:
@@ -250,6 +236,103 @@ class JobManager:
             except ValueError:  # a line cut short by a crash
                 continue
         return _page(events[::-1], after, limit)
+
+    # -- training, driven by the core's loop ----------------------------------------------------------------
+    def seconds_until_work(self, now: float) -> float | None:
+        """When train_step() has work: 0 for now, a delay while the duty cycle holds training back, None when
+        no job waits or runs."""
+        if self.run is not None:
+            return max(0.0, self.run.not_before - now)
+        return 0.0 if self.queue else None
+
+    def train_step(self, engine_busy: bool) -> None:
+        """One micro-batch of the running job (starting the next queued one first if none runs)."""
+        if self.run is None:
+            self._start_next()
+            return
+        run, job = self.run, self.run.job
+        if job["status"] != "running":  # cancelled meanwhile
+            self._end_run()
+            return
+        start = time.perf_counter()
+        try:
+            result = next(run.steps, None)
+            if result is None and run.trainer.done:
+                self._succeed(run)
+                return
+        except Exception as e:  # a failed job must never take the server down
+            if isinstance(e, TrainingDiverged):
+                self._finish(job, "failed", error=("training_diverged", f"{e}; try a lower learning rate"))
+            else:
+                log.exception("fine-tuning job %s failed", job["id"])
+                self._finish(job, "failed", error=("internal_error", f"{type(e).__name__}: {e}"))
+            self._end_run()
+            return
+        now = time.perf_counter()
+        duty = self.settings.finetune_duty_cycle
+        run.not_before = now + (now - start) * (1 - duty) / duty if engine_busy else now
+        if isinstance(result, StepResult):
+            run.trained_tokens += result.tokens
+            tokens_per_s = result.tokens / max(result.seconds, 1e-9)
+            job["trained_tokens"] = run.trained_tokens
+            self._event(job, f"Step {result.step}/{result.total_steps}: training loss={result.loss:.4f}",
+                        data={"step": result.step, "total_steps": result.total_steps, "train_loss": result.loss,
+                              "tokens_per_second": tokens_per_s, "progress": result.step / result.total_steps})
+            if self.metrics is not None:
+                self.metrics.set_finetune_progress(tokens_per_s, result.loss)
+
+    def _start_next(self) -> None:
+        while self.queue:
+            job = self.jobs[self.queue.popleft()]
+            if job["status"] != "queued":  # cancelled while queued
+                continue
+            job["status"] = "running"
+            self._save(job)
+            self._update_job_gauge()
+            self._event(job, "Fine-tuning job started")
+            extra, hp = job["extra"], job["hyperparameters"]
+            try:
+                examples = load_examples(self.files_dir, job["training_file"])
+                config = TrainConfig(learning_rate=BASE_LEARNING_RATE[extra["type"]] * hp["learning_rate_multiplier"],
+                                     batch_size=hp["batch_size"],
+                                     micro_batch_size=hp["batch_size"] // extra["gradient_accumulation_steps"],
+                                     n_epochs=hp["n_epochs"], max_steps=extra["max_steps"], seed=job["seed"],
+                                     warmup_steps=extra["warmup_steps"])
+                lora = LoRAConfig(rank=extra["lora_rank"] or 8, alpha=extra["lora_alpha"] or 16.0,
+                                  targets=extra["target_modules"], full=extra["type"] == "full")
+                trainer = Trainer(self.model, examples, config, lora)
+            except Exception as e:
+                log.exception("fine-tuning job %s could not start", job["id"])
+                self._finish(job, "failed", error=("internal_error", f"{type(e).__name__}: {e}"))
+                continue
+            self.run = _Run(job, trainer, trainer.micro_batches(), job["validation_file"])
+            return
+
+    def _succeed(self, run: _Run) -> None:
+        job = run.job
+        if run.valid_file:
+            loss = run.trainer.evaluate(load_examples(self.files_dir, run.valid_file))
+            self._event(job, f"Validation loss={loss:.4f}", data={"step": run.trainer.step, "valid_loss": loss})
+        path = self.jobs_dir / job["id"] / "adapter.safetensors"
+        run.trainer.adapter.save(path, {"base_model": job["model"], "job": job["id"]})
+        param = next(self.model.parameters())
+        add_adapter(self.model, job["extra"]["served_name"], run.trainer.adapter.to(param.device, param.dtype))
+        job["fine_tuned_model"] = job["extra"]["served_name"]
+        self._finish(job, "succeeded")
+        self._end_run()
+        self.on_adapters_changed(self.served_models())
+
+    def _end_run(self) -> None:
+        self.run = None
+        if self.metrics is not None:
+            self.metrics.set_finetune_progress(0.0)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # give the training activations back to the serving side
+
+    def shutdown(self) -> None:
+        if self.run is not None and self.run.job["status"] == "running":
+            self._finish(self.run.job, "failed", error=("interrupted", "the server shut down while the job ran"))
+        self.run = None
 
     # -- state -------------------------------------------------------------------------------------------
     def _save(self, job: dict) -> None:
@@ -285,87 +368,3 @@ class JobManager:
         adapter = Adapter.load(self.jobs_dir / job["id"] / "adapter.safetensors", param.device, param.dtype)
         add_adapter(self.model, job["extra"]["served_name"], adapter)
         job["fine_tuned_model"] = job["extra"]["served_name"]
-
-    # -- training ----------------------------------------------------------------------------------------
-    async def _worker(self) -> None:
-        while True:
-            job = self.jobs[await self._queue.get()]
-            if job["status"] in FINISHED:  # cancelled while queued
-                continue
-            try:
-                await self._run(job)
-            except asyncio.CancelledError:
-                if job["status"] == "running":
-                    self._finish(job, "failed", error=("interrupted", "the server shut down while the job ran"))
-                raise
-            except Exception as e:  # a failed job must never take the server down
-                if job["status"] != "running":  # cancelled meanwhile
-                    continue
-                if isinstance(e, TrainingDiverged):
-                    self._finish(job, "failed", error=("training_diverged", f"{e}; try a lower learning rate"))
-                else:
-                    log.exception("fine-tuning job %s failed", job["id"])
-                    self._finish(job, "failed", error=("internal_error", f"{type(e).__name__}: {e}"))
-            finally:
-                if self.metrics is not None:
-                    self.metrics.set_finetune_progress(0.0)
-
-    async def _run(self, job: dict) -> None:
-        job["status"] = "running"
-        self._save(job)
-        self._update_job_gauge()
-        self._event(job, "Fine-tuning job started")
-        extra, hp = job["extra"], job["hyperparameters"]
-        train = await asyncio.to_thread(self._examples, job["training_file"], "training_file")
-        valid = await asyncio.to_thread(self._examples, job["validation_file"], "validation_file") \
-            if job["validation_file"] else None
-        config = TrainConfig(learning_rate=BASE_LEARNING_RATE[extra["type"]] * hp["learning_rate_multiplier"],
-                             batch_size=hp["batch_size"],
-                             micro_batch_size=hp["batch_size"] // extra["gradient_accumulation_steps"],
-                             n_epochs=hp["n_epochs"], max_steps=extra["max_steps"], seed=job["seed"],
-                             warmup_steps=extra["warmup_steps"])
-        lora = LoRAConfig(rank=extra["lora_rank"] or 8, alpha=extra["lora_alpha"] or 16.0,
-                          targets=extra["target_modules"], full=extra["type"] == "full")
-        trainer = await asyncio.to_thread(Trainer, self.model, train, config, lora)
-        steps = trainer.micro_batches()
-        trained_tokens = 0
-        while True:
-            if job["id"] in self._cancelled:
-                return
-            start = time.perf_counter()
-            result = await asyncio.to_thread(next, steps, None)
-            if result is None and trainer.done:
-                break
-            await self._yield_to_engine(time.perf_counter() - start)
-            if isinstance(result, StepResult):
-                trained_tokens += result.tokens
-                tokens_per_s = result.tokens / max(result.seconds, 1e-9)
-                job["trained_tokens"] = trained_tokens
-                self._event(job, f"Step {result.step}/{result.total_steps}: training loss={result.loss:.4f}",
-                            data={"step": result.step, "total_steps": result.total_steps,
-                                  "train_loss": result.loss, "tokens_per_second": tokens_per_s,
-                                  "progress": result.step / result.total_steps})
-                if self.metrics is not None:
-                    self.metrics.set_finetune_progress(tokens_per_s, result.loss)
-        if job["id"] in self._cancelled:
-            return
-        if valid:
-            loss = await asyncio.to_thread(trainer.evaluate, valid)
-            self._event(job, f"Validation loss={loss:.4f}", data={"step": trainer.step, "valid_loss": loss})
-        path = self.jobs_dir / job["id"] / "adapter.safetensors"
-        await asyncio.to_thread(trainer.adapter.save, path, {"base_model": job["model"], "job": job["id"]})
-        if job["id"] in self._cancelled:
-            return
-        param = next(self.model.parameters())
-        add_adapter(self.model, extra["served_name"], trainer.adapter.to(param.device, param.dtype))
-        job["fine_tuned_model"] = extra["served_name"]
-        self._finish(job, "succeeded")
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()  # give the training activations back to the serving side
-
-    async def _yield_to_engine(self, seconds: float) -> None:
-        if self.engine.num_running or self.engine.num_waiting:
-            duty = self.settings.finetune_duty_cycle
-            await asyncio.sleep(seconds * (1 - duty) / duty)
-        else:
-            await asyncio.sleep(0)

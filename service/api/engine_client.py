@@ -1,0 +1,318 @@
+"""The HTTP front-end's handle on the engine core (another process, over ZeroMQ; see service.protocol).
+
+One asyncio task receives what the core sends. Each StepOutputs message carries one new token for every running
+request of this front-end; the task turns the tokens into text here (detokenization and stop strings are the
+front-end's work, off the engine's critical path), observes their inter-token latencies in one batch, aborts the
+requests that hit a stop string, and wakes each request's consumer once. A consumer that fell behind takes all its
+waiting tokens at once, so its HTTP writes batch up by themselves under load.
+
+If the core goes away (its connection drops), every request in flight fails with EngineDead and the front-end
+reports not ready until a core answers again.
+"""
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
+
+from service.metrics import FrontendMetrics, RequestTimer, observe_many
+from service.protocol import (
+    Abort,
+    AdaptersChanged,
+    AddRequest,
+    Admitted,
+    Call,
+    EngineInfo,
+    Hello,
+    Reply,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    encoder,
+    frontend_decoder,
+)
+from service.text import TextStream, load_tokenizer
+
+log = logging.getLogger(__name__)
+INLINE_TOKENIZE_CHARS = 4096  # a few hundred microseconds of tokenizing: cheaper than a hop to a thread
+
+
+class EngineOverloaded(Exception):
+    """The core's waiting queue is full, or this front-end is draining (HTTP 429)."""
+
+
+class RequestRejected(ValueError):
+    """The core refused the request: it can never be served as asked (HTTP 422)."""
+
+
+class EngineStepError(RuntimeError):
+    """The request failed inside the engine (HTTP 500, or an error event in a stream)."""
+
+
+class EngineDead(EngineStepError):
+    """The engine core is gone."""
+
+
+class CallError(Exception):
+    """A remote call refused by the core; carries the HTTP status, message, param and code."""
+
+    def __init__(self, error: dict):
+        super().__init__(error["message"])
+        self.error = error
+
+
+@dataclass
+class TokenOutput:
+    """One generated token as the routes see it."""
+    token_id: int
+    text: str  # the text this token completes (may be "" while a UTF-8 character is split)
+    logprob: float | None
+    special: bool
+    index: int  # 0-based position among generated tokens
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "eos_token" once finished
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class RequestStream:
+    """One request in flight: its text so far and the tokens its consumer has not taken yet."""
+
+    def __init__(self, request_id: str, text: TextStream, special_ids: set[int]):
+        self.request_id = request_id
+        self.text = text
+        self.special_ids = special_ids
+        self.timer: RequestTimer | None = None
+        self.waiting: list[TokenOutput] = []
+        self.ready = asyncio.Event()
+        self.count = 0
+        self.finished = False
+        self.error: Exception | None = None
+
+    def push(self, out: RequestOutput) -> bool:
+        """Adds the core's token; returns True if it hit a stop string (the core must stop this request)."""
+        piece, hit_stop = self.text.add(out.token_id)
+        reason = "stop" if hit_stop else out.finish_reason
+        if reason is not None and not hit_stop:
+            piece += self.text.flush()
+        self.waiting.append(TokenOutput(out.token_id, piece, out.logprob, out.token_id in self.special_ids,
+                                        self.count, reason is not None, reason, out.prompt_tokens,
+                                        out.cached_prompt_tokens, out.top_logprobs))
+        self.count += 1
+        self.finished = reason is not None
+        self.ready.set()
+        return hit_stop
+
+    def fail(self, error: Exception) -> None:
+        self.error, self.finished = error, True
+        self.ready.set()
+
+    async def batches(self):
+        """Yields lists of new tokens until the last; raises the request's error if it failed."""
+        while True:
+            await self.ready.wait()
+            self.ready.clear()
+            batch, self.waiting = self.waiting, []
+            if batch:
+                yield batch
+            if self.error is not None:
+                raise self.error
+            if batch and batch[-1].finished:
+                return
+
+
+class EngineClient:
+    def __init__(self, address: str, identity: str, metrics: FrontendMetrics):
+        self.address = address
+        self.identity = identity
+        self.metrics = metrics
+        self.context = zmq.asyncio.Context()
+        self.info: EngineInfo | None = None
+        self.tokenizer = None
+        self.special_ids: set[int] = set()
+        self.accepting = True
+        self.streams: dict[str, RequestStream] = {}
+        self._admissions: dict[str, tuple[asyncio.Future, list[int], SamplingParams]] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self._pack = encoder().encode
+        self._unpack = frontend_decoder().decode
+
+    # -- what the routes read ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self.info is not None and self.tokenizer is not None
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def served_models(self) -> list[str]:
+        return [self.info.model_name, *self.info.adapters]
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt; long texts are tokenized in a worker thread so the event loop keeps serving."""
+        if len(text) < INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    # -- lifecycle ---------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.socket = self.context.socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.ROUTING_ID, self.identity.encode())
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self.socket.connect(self.address)
+        self._tasks = [asyncio.create_task(self._receive(), name="engine-client-receive"),
+                       asyncio.create_task(self._watch(), name="engine-client-watch")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.socket.disable_monitor()
+        self.monitor.close()
+        self.socket.close()
+        self.context.term()
+
+    def drain(self, seconds: float) -> None:
+        """Stops admitting (429, /health 503) and gives the requests in flight `seconds` to finish; those still
+        running then end with an error (an error event in a stream, a 500 otherwise), before the server closes
+        their connections."""
+        self.accepting = False
+        asyncio.get_running_loop().call_later(seconds, self.fail_all,
+                                              EngineStepError("the server shut down before the request finished"))
+
+    def fail_all(self, error: Exception) -> None:
+        """Ends every request in flight (and every pending admission or call) with `error`."""
+        for stream in self.streams.values():
+            stream.fail(error)
+        self.streams.clear()
+        for future in [*(future for future, _, _ in self._admissions.values()), *self._calls.values()]:
+            if not future.done():
+                future.set_exception(error)
+        self._admissions.clear()
+        self._calls.clear()
+
+    async def _watch(self) -> None:
+        """Says hello whenever the core's socket connects; fails everything in flight when it drops."""
+        while True:
+            event = await recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._send(Hello())
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                if self.info is not None:
+                    log.error("lost the engine core: failing %d requests in flight", len(self.streams))
+                self.info = None
+                self.fail_all(EngineDead("the engine core stopped"))
+
+    def _send(self, message) -> None:
+        self.socket.send(self._pack(message), copy=False)
+
+    # -- requests ----------------------------------------------------------------------------------------
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          adapter: str | None = None) -> RequestStream:
+        """Admits a request into the core: its stream, or EngineOverloaded / RequestRejected / EngineDead."""
+        if not self.accepting:
+            raise EngineOverloaded("the server is shutting down")
+        if not self.ready:
+            raise EngineDead("the engine core is not running")
+        if request_id in self.streams or request_id in self._admissions:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        admitted = asyncio.get_running_loop().create_future()
+        self._admissions[request_id] = (admitted, prompt_token_ids, params)
+        self._send(AddRequest(request_id, prompt_token_ids, params, adapter))
+        try:
+            return await admitted
+        finally:
+            self._admissions.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request the client no longer wants; its KV blocks are freed in the core's next drain."""
+        if self.streams.pop(request_id, None) is not None:
+            self._send(Abort([request_id]))
+
+    async def call(self, method: str, **kwargs):
+        """A remote call into the core (fine-tuning files and jobs); raises CallError with the HTTP error."""
+        if not self.ready:
+            raise EngineDead("the engine core is not running")
+        call_id = next(self._call_ids)
+        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(Call(call_id, method, kwargs))
+        return await future
+
+    # -- what the core sends -----------------------------------------------------------------------------
+    async def _receive(self) -> None:
+        while True:
+            message = self._unpack(await self.socket.recv(copy=False))
+            if isinstance(message, StepOutputs):
+                self._on_step(message.outputs)
+            elif isinstance(message, Admitted):
+                self._on_admitted(message)
+            elif isinstance(message, Reply):
+                future = self._calls.pop(message.call_id, None)
+                if future is not None and not future.done():
+                    if message.error is None:
+                        future.set_result(message.result)
+                    else:
+                        future.set_exception(CallError(message.error))
+            elif isinstance(message, AdaptersChanged):
+                if self.info is not None:
+                    self.info.adapters = message.adapters
+            elif isinstance(message, EngineInfo):
+                await self._on_info(message)
+
+    async def _on_info(self, info: EngineInfo) -> None:
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
+            self.special_ids = set(self.tokenizer.all_special_ids)
+        self.info = info
+        log.info("attached to the engine core serving %s", info.model_name)
+
+    def _on_admitted(self, message: Admitted) -> None:
+        for request_id in message.accepted:
+            future, prompt_token_ids, params = self._admissions.pop(request_id, (None, None, None))
+            if future is None or future.done():  # its client left meanwhile
+                self._send(Abort([request_id]))
+                continue
+            # The stream exists before this task reads the request's first token. The core checked the prompt's
+            # token ids: only now may the decoder see them.
+            text = TextStream(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
+            stream = self.streams[request_id] = RequestStream(request_id, text, self.special_ids)
+            future.set_result(stream)
+        for rejection in message.rejected:
+            future, _, _ = self._admissions.pop(rejection.request_id, (None, None, None))
+            if future is not None and not future.done():
+                error = EngineOverloaded if rejection.reason == "overloaded" else RequestRejected
+                future.set_exception(error(rejection.message))
+
+    def _on_step(self, outputs: list[RequestOutput]) -> None:
+        now = time.perf_counter()
+        gaps, stopped = [], []
+        for out in outputs:
+            stream = self.streams.get(out.request_id)
+            if stream is None:  # aborted here after the core made this token
+                continue
+            if out.error is not None:
+                stream.fail(EngineStepError(out.error))
+            elif stream.push(out):
+                stopped.append(out.request_id)
+            if stream.timer is not None and out.error is None:
+                stream.timer.on_tokens(now, 1, gaps, out.queue_seconds)
+            if stream.finished:
+                del self.streams[out.request_id]
+        observe_many(self.metrics.inter_token_latency, gaps)
+        if stopped:
+            self._send(Abort(stopped))

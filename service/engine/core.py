@@ -1,0 +1,217 @@
+"""The engine core: the process that owns the device, the model, the KV cache, the scheduler and sampler (through
+LLMEngine) and the fine-tuning jobs. It runs one plain loop, with no asyncio and no threads: drain the front-ends'
+commands, step the engine (or train a micro-batch between steps), and send each front-end one message per step
+with the new tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no
+CPU.
+
+Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER socket, so every message names the
+front-end it came from and every answer goes to that front-end alone.
+"""
+import logging
+import signal
+import socket
+import threading
+import time
+from collections import defaultdict
+
+import msgspec
+import torch
+import zmq
+from prometheus_client import CollectorRegistry
+
+from service.config import Settings
+from service.engine.finetune_jobs import JobError, JobManager
+from service.engine.llm_engine import LLMEngine, RequestRejected
+from service.metrics import EngineMetrics
+from service.protocol import (
+    Abort,
+    AdaptersChanged,
+    AddRequest,
+    Admitted,
+    Call,
+    EngineInfo,
+    Hello,
+    Rejection,
+    Reply,
+    StepOutputs,
+    core_decoder,
+    encoder,
+)
+
+log = logging.getLogger(__name__)
+GPU_MEMORY_INTERVAL = 1.0  # seconds between refreshes of the GPU memory gauges while steps run
+
+
+class EngineBroken(RuntimeError):
+    """The device failed: the process must end so that its supervisor starts a fresh one."""
+
+
+class EngineCore:
+    def __init__(self, settings: Settings, address: str, registry: CollectorRegistry | None = None):
+        self.settings = settings
+        self.metrics = EngineMetrics(registry or CollectorRegistry())
+        self.engine = LLMEngine(settings)
+        self.jobs = JobManager(settings, self.engine.model, self.engine.model_name, self.metrics,
+                               on_adapters_changed=self._broadcast_adapters)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step's outputs for a busy front-end
+        self.socket.setsockopt(zmq.RCVHWM, 0)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self._pack = encoder().encode
+        self._unpack = core_decoder().decode
+        self.frontends: set[bytes] = set()
+        self.owner: dict[str, bytes] = {}  # request id -> the front-end that sent it
+        # stop() may come from another thread: it wakes the poll through this pair.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._stopping = False
+        self._gpu_memory_at = 0.0
+        self.metrics.record_load(0, 0, 0.0)
+        self._record_gpu_memory()
+
+    def info(self) -> EngineInfo:
+        e = self.engine
+        return EngineInfo(e.model_name, str(e.model_dir), e.max_model_len, e.model.config.vocab_size,
+                          e.kv_capacity_tokens, self.jobs.served_models())
+
+    # -- the loop ----------------------------------------------------------------------------------------
+    def run(self, lifeline=None) -> None:
+        """Serves until stop(), or until `lifeline` (the read end of a pipe whose write end the launcher holds)
+        closes: the launcher stops the core after its front-ends have drained, or by dying."""
+        if threading.current_thread() is threading.main_thread():
+            # A signal to the whole process group (Ctrl-C, `kill -- -PGID`) must not stop the core before the
+            # front-ends have drained their requests: the launcher decides, through the lifeline.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        if lifeline is not None:
+            poller.register(lifeline.fileno(), zmq.POLLIN)
+        log.info("engine core serving %s", self.engine.model_name)
+        try:
+            while not self._stopping:
+                train_in = self.jobs.seconds_until_work(time.perf_counter())
+                if self.engine.has_work:
+                    timeout = 0
+                else:
+                    timeout = None if train_in is None else train_in * 1000
+                events = dict(poller.poll(timeout))
+                if lifeline is not None and lifeline.fileno() in events:
+                    break
+                if self.socket in events:
+                    self._drain()
+                if self.engine.has_work:
+                    self._step()
+                train_in = self.jobs.seconds_until_work(time.perf_counter())
+                if train_in == 0:
+                    self.jobs.train_step(engine_busy=self.engine.has_work)
+        finally:
+            self.jobs.shutdown()
+            self.socket.close()
+            self.context.term()
+            log.info("engine core stopped")
+
+    def stop(self) -> None:
+        self._stopping = True
+        try:
+            self._wake_w.send(b"x")
+        except BlockingIOError:  # already woken
+            pass
+
+    def _send(self, identity: bytes, message) -> None:
+        self.socket.send_multipart([identity, self._pack(message)], copy=False)
+
+    def _drain(self) -> None:
+        admitted: dict[bytes, Admitted] = defaultdict(lambda: Admitted([], []))
+        while True:
+            try:
+                identity, payload = self.socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                message = self._unpack(payload.buffer)
+            except msgspec.DecodeError:
+                log.error("dropped a malformed message from %r", bytes(identity.bytes))
+                continue
+            identity = identity.bytes
+            if isinstance(message, AddRequest):
+                self._add(identity, message, admitted[identity])
+            elif isinstance(message, Abort):
+                for request_id in message.request_ids:
+                    if self.owner.pop(request_id, None) is not None:
+                        self.engine.abort(request_id)
+            elif isinstance(message, Call):
+                self._send(identity, self._call(message))
+            elif isinstance(message, Hello):
+                self.frontends.add(identity)
+                self._send(identity, self.info())
+        for identity, answer in admitted.items():
+            self._send(identity, answer)
+        self.metrics.record_load(self.engine.num_running, self.engine.num_waiting, self.engine.kv_usage)
+
+    def _add(self, identity: bytes, request: AddRequest, answer: Admitted) -> None:
+        rid = request.request_id
+        if self._stopping or self.engine.num_waiting >= self.settings.max_waiting_requests:
+            answer.rejected.append(Rejection(rid, "overloaded", f"{self.engine.num_waiting} requests are waiting"))
+            return
+        try:
+            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter)
+        except RequestRejected as e:
+            answer.rejected.append(Rejection(rid, "invalid", str(e)))
+            return
+        self.owner[rid] = identity
+        answer.accepted.append(rid)
+
+    def _call(self, call: Call) -> Reply:
+        if call.method == "stats":
+            e = self.engine
+            return Reply(call.call_id, {"running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.kv_usage,
+                                        "requests": len(e.requests), "owned": len(self.owner)})
+        if call.method not in JobManager.CALLS:
+            return Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}", "param": None,
+                                              "code": None})
+        try:
+            return Reply(call.call_id, getattr(self.jobs, call.method)(**call.kwargs))
+        except JobError as e:
+            return Reply(call.call_id, error=e.as_dict())
+        except Exception as e:
+            log.exception("call %s failed", call.method)
+            return Reply(call.call_id, error={"status": 500, "message": f"{type(e).__name__}: {e}", "param": None,
+                                              "code": "internal_error"})
+
+    def _step(self) -> None:
+        outputs, stats = self.engine.step()
+        by_owner = defaultdict(list)
+        failed = False
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:  # aborted by its front-end after this token was made
+                continue
+            by_owner[identity].append(out)
+            if out.finish_reason is not None or out.error is not None:
+                del self.owner[out.request_id]
+                failed |= out.error is not None
+        for identity, outs in by_owner.items():
+            self._send(identity, StepOutputs(outs))
+        if stats is not None:
+            self.metrics.record_step(stats)
+        self.metrics.record_load(self.engine.num_running, self.engine.num_waiting, self.engine.kv_usage)
+        self._record_gpu_memory()
+        if failed and not self.engine.healthy():
+            raise EngineBroken("the device failed; exiting so that a fresh engine core takes over")
+
+    def _record_gpu_memory(self) -> None:
+        now = time.monotonic()
+        if not torch.cuda.is_available() or now - self._gpu_memory_at < GPU_MEMORY_INTERVAL:
+            return
+        self._gpu_memory_at = now
+        device = self.engine.device
+        self.metrics.record_gpu_memory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                                       torch.cuda.mem_get_info(device)[1])
+
+    def _broadcast_adapters(self, names: list[str]) -> None:
+        for identity in self.frontends:
+            self._send(identity, AdaptersChanged(names))

@@ -1,0 +1,69 @@
+"""Text: loading a model's tokenizer, and incremental detokenization with stop strings. Runs where text is made:
+in the HTTP front-ends and the offline LLM (the engine core only loads the tokenizer for its EOS ids)."""
+from pathlib import Path
+
+from tokenizers.decoders import DecodeStream
+
+PROMPT_CONTEXT = 6  # prompt tokens given to the decoder so the first generated tokens get their spacing right
+
+
+def load_tokenizer(model_dir):
+    """The model's fast (Rust) tokenizer with its chat template. PreTrainedTokenizerFast reads tokenizer.json
+    without importing torch, which the front-ends never need; a model without one goes through AutoTokenizer."""
+    if (Path(model_dir) / "tokenizer.json").exists():
+        from transformers import PreTrainedTokenizerFast
+        return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class TextStream:
+    """Turns generated tokens into text pieces. The tokenizer's own streaming decoder (Rust) returns nothing while
+    a UTF-8 character is split across tokens. Text that could be the start of a stop string is held back until it
+    is known not to be one; the text after a stop string is never emitted, the stop string itself only with
+    include_stop."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str], include_stop: bool = False):
+        # The Rust tokenizer directly: the transformers wrapper costs more than the decode itself.
+        self.tokenizer = getattr(tokenizer, "backend_tokenizer", None) or tokenizer
+        self.decoder = DecodeStream(list(prompt_token_ids[-PROMPT_CONTEXT:]), skip_special_tokens=True)
+        self.text = ""  # all generated text so far
+        self.emitted = 0  # chars of self.text already returned
+        self.stop = [s for s in stop if s]
+        self.max_stop = max(map(len, self.stop), default=0)
+        self.include_stop = include_stop
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """Returns (new text to emit, whether a stop string was hit)."""
+        piece = self.decoder.step(self.tokenizer, token_id)
+        if not self.stop:
+            return piece or "", False
+        checked = len(self.text)
+        self.text += piece or ""
+        # A stop string can only end inside the text just added.
+        lo = max(0, checked - self.max_stop + 1)
+        hits = [(i, len(s)) for i, s in ((self.text.find(s, lo), s) for s in self.stop) if i >= 0]
+        if hits:
+            start, length = min(hits)
+            self.text = self.text[:start + length if self.include_stop else start]
+            return self.flush(), True
+        end = len(self.text) - self._stop_prefix_len()
+        out = self.text[self.emitted:end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return out, False
+
+    def _stop_prefix_len(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        """The text held back (a possible stop string's start), once generation ended without it."""
+        piece = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return piece

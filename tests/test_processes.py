@@ -1,0 +1,129 @@
+"""The service as processes (CPU, embedded model): the launcher, one engine core and its HTTP front-ends over
+ZeroMQ. Two front-ends serve one core; a storm of clients that leave mid-stream leaves no KV block in use; a killed
+engine core fails its requests cleanly, /health turns 503 and the launcher exits non-zero for its supervisor."""
+import asyncio
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from server import scrape, service_process, sse_events
+
+LONG = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
+
+
+def children(pid: int) -> dict[str, int]:
+    """{process name (comm): pid} of the launcher's children."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:  # ppid
+                found[(stat.parent / "comm").read_text().strip()] = int(stat.parent.name)
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def engine_stats(url: str) -> dict:
+    m = scrape(url)
+    return {"running": m[("llm_requests_running", ())], "waiting": m[("llm_requests_waiting", ())],
+            "kv": m[("llm_kv_cache_usage_ratio", ())]}
+
+
+def wait_idle(url: str, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    while (stats := engine_stats(url)) != {"running": 0, "waiting": 0, "kv": 0} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return stats
+
+
+def test_two_front_ends_serve_one_engine_core():
+    with service_process(api_server_count=2, log_level="info") as service:
+        names = children(service.process.pid)
+        assert {"llm-engine-core", "llm-api-0", "llm-api-1"} <= set(names), names
+
+        async def one(i):
+            # a connection each: the kernel spreads them over the front-ends sharing the port
+            async with httpx.AsyncClient(base_url=service.url, timeout=60) as client:
+                r = await client.post("/generate", json={"inputs": f"fortune {i}", "parameters": {"max_new_tokens": 4}})
+                return r.status_code
+
+        async def run():
+            return await asyncio.gather(*(one(i) for i in range(48)))
+
+        assert asyncio.run(run()) == [200] * 48
+        log = service.log.read_text(errors="replace")
+        served_by = {name for name in ("llm-api-0", "llm-api-1") if f"{name} service.api: request_id" in log}
+        assert served_by == {"llm-api-0", "llm-api-1"}
+        # one /metrics, whichever front-end answers it, adds up both front-ends' requests
+        for _ in range(4):
+            m = scrape(service.url)
+            assert m[("llm_requests_total", (("endpoint", "generate"), ("outcome", "success")))] == 48
+
+
+def test_a_storm_of_clients_leaving_mid_stream_leaves_no_block_in_use():
+    with service_process(api_server_count=2) as service:
+        async def leave_after(client, n):
+            async with client.stream("POST", "/generate_stream", json=LONG) as r:
+                seen = 0
+                async for line in r.aiter_lines():
+                    seen += line.startswith("data:")
+                    if seen >= n:
+                        return  # closes the connection mid-stream
+
+        async def run():
+            async with httpx.AsyncClient(base_url=service.url, timeout=60,
+                                         limits=httpx.Limits(max_connections=100)) as client:
+                await asyncio.gather(*(leave_after(client, 1 + i % 5) for i in range(60)))
+
+        asyncio.run(run())
+        assert wait_idle(service.url) == {"running": 0, "waiting": 0, "kv": 0}
+        m = scrape(service.url)
+        aborted = m[("llm_requests_total", (("endpoint", "generate_stream"), ("outcome", "aborted")))]
+        assert aborted == 60 and httpx.get(f"{service.url}/health").status_code == 200
+
+
+def test_a_killed_engine_core_fails_requests_and_the_service_exits_non_zero():
+    with service_process() as service:
+        core = children(service.process.pid)["llm-engine-core"]
+        results = {}
+
+        def stream():
+            with httpx.stream("POST", f"{service.url}/generate_stream", json=LONG, timeout=60) as r:
+                events = []
+                for data in sse_events(r):
+                    events.append(json.loads(data))
+                    if len(events) == 3:
+                        os.kill(core, signal.SIGKILL)
+                results["stream"] = events
+
+        stream()
+        last = results["stream"][-1]
+        assert last.get("error_type") == "generation" and "engine core" in last["error"], last
+        health = httpx.get(f"{service.url}/health")
+        assert health.status_code == 503
+        r = httpx.post(f"{service.url}/generate", json={"inputs": "a"})
+        assert r.status_code == 503 and r.json()["error_type"] == "unavailable"
+        assert service.process.wait(timeout=30) == 1
+        assert "llm-engine-core exited" in service.log.read_text(errors="replace")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(signum):
+    with service_process() as service:
+        body = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 48, "ignore_eos": True}}
+        with httpx.stream("POST", f"{service.url}/generate_stream", json=body, timeout=60) as r:
+            events = sse_events(r)
+            first = json.loads(next(events))
+            # SIGINT as a terminal sends it, to the whole group; SIGTERM as an orchestrator does, to the launcher
+            if signum == signal.SIGINT:
+                os.killpg(service.process.pid, signum)
+            else:
+                service.process.send_signal(signum)
+            rest = [json.loads(e) for e in events]
+        assert first["index"] == 0 and rest[-1]["details"]["generated_tokens"] == 48  # finished, not cut
+        assert service.process.wait(timeout=30) == 0
