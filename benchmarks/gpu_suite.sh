@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call: the GPU tests, then the benchmarks.
 #   benchmarks/gpu_suite.sh                 # all parts
-#   benchmarks/gpu_suite.sh tests decode    # some parts: tests attention decode generate finetune load
+#   benchmarks/gpu_suite.sh tests decode    # some parts: tests attention decode generate finetune load serve
 # Results go to benchmarks/results/; where $OUT is set (the device machine) logs and a tarball of the
 # results are copied there too. Wheels in .whl/ (the web stack the GPU machine lacks) are installed first.
 set -uo pipefail
@@ -15,7 +15,7 @@ results=benchmarks/results
 logs=${OUT:-$results}
 mkdir -p "$results" "$logs"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests attention decode generate finetune load)
+[ ${#parts[@]} -eq 0 ] && parts=(tests attention decode generate finetune load serve)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$logs/gpu.txt"
 
