@@ -38,11 +38,11 @@ class Workload:
 
     def body(self, prompt: str) -> dict:
         # Greedy on both endpoints, as the offline reference (TGI is greedy by default).
+        extension = {"ignore_eos": True} if self.ignore_eos else {}
         if self.endpoint == TGI:
-            parameters = {"max_new_tokens": self.new_tokens} | ({"ignore_eos": True} if self.ignore_eos else {})
-            return {"inputs": prompt, "parameters": parameters}
-        return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "max_tokens": self.new_tokens, "temperature": 0} | ({"ignore_eos": True} if self.ignore_eos else {})
+            return {"inputs": prompt, "parameters": {"max_new_tokens": self.new_tokens, **extension}}
+        return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": self.new_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extension}
 
 
 @dataclass
@@ -67,17 +67,20 @@ class StreamError(Exception):
     pass
 
 
-def _parse(endpoint: str, data: bytes) -> tuple[bool, bool]:
-    """(a token arrived, the stream is complete) for one SSE data payload."""
+def _parse(endpoint: str, data: bytes) -> tuple[bool, bool, int | None]:
+    """(a token arrived, the stream is complete, the server's count of generated tokens where this event gives
+    it) for one SSE data payload."""
     if data == b"[DONE]":
-        return False, True
+        return False, True, None
     event = json.loads(data)
     if "error" in event:
         raise StreamError(f"error event: {event['error']}")
-    if endpoint == TGI:  # one event per token, the last one carries generated_text
-        return "token" in event, event.get("generated_text") is not None
-    choices = event.get("choices") or [{}]  # a chunk counts as a token when it has content
-    return bool(choices[0].get("delta", {}).get("content")), False
+    if endpoint == TGI:  # one event per token, the last one carries generated_text and details
+        final = event.get("generated_text") is not None
+        return "token" in event, final, (event.get("details") or {}).get("generated_tokens") if final else None
+    # A chunk counts as a token when it has content; the usage chunk before [DONE] has the count.
+    choices = event.get("choices") or [{}]
+    return bool(choices[0].get("delta", {}).get("content")), False, (event.get("usage") or {}).get("completion_tokens")
 
 
 async def _send(session: aiohttp.ClientSession, workload: Workload, prompt: str, rec: Record):
@@ -87,19 +90,23 @@ async def _send(session: aiohttp.ClientSession, workload: Workload, prompt: str,
             if response.status != 200:
                 rec.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return
-            complete = False
+            complete, generated = False, None
             async for line in response.content:
                 if line.startswith(b"data:"):
                     now = time.monotonic()
-                    token, complete = _parse(workload.endpoint, line[5:].strip())
+                    token, complete, count = _parse(workload.endpoint, line[5:].strip())
                     if token:
                         rec.tokens.append(now)
+                    generated = generated if count is None else count
                     if complete:
                         break
+        # The server's count where it gives one: a token may carry no text of its own (a special token, or part
+        # of a character that the next token completes), and then no chat chunk.
+        generated = len(rec.tokens) if generated is None else generated
         if not complete:
             rec.error = "stream ended without its final event"
-        elif workload.ignore_eos and len(rec.tokens) < workload.new_tokens:
-            rec.error = f"{len(rec.tokens)} tokens of {workload.new_tokens}"
+        elif workload.ignore_eos and generated < workload.new_tokens:
+            rec.error = f"{generated} tokens of {workload.new_tokens}"
         else:
             rec.ok = True
     except (aiohttp.ClientError, ValueError, StreamError) as e:  # ValueError: a malformed event

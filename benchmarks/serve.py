@@ -185,11 +185,11 @@ def offline_main(args) -> None:
     args.json.write_text(json.dumps(result))
 
 
-def run_offline(args, model_dir: str | None, json_path: Path) -> dict:
+def run_offline(args, model_dir: str | None, json_path: Path, env: dict) -> dict:
     argv = [sys.executable, __file__, "--offline-only", "--json", str(json_path), "--device", args.device,
             "--model", model_dir or "default", "--levels", ",".join(map(str, args.levels)),
             "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
-    subprocess.run(argv, cwd=ROOT, check=True, timeout=600)
+    subprocess.run(argv, cwd=ROOT, env=env, check=True, timeout=600)
     result = json.loads(json_path.read_text())
     result["batches"] = {int(b): r for b, r in result["batches"].items()}
     return result
@@ -315,6 +315,8 @@ def parse_args(argv=None):
     p.add_argument("--loadgen-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="load-generator processes (at most one per closed-loop client; default cores / 2, <= 8)")
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes of the server (its flag)")
+    p.add_argument("--cpu-threads", type=int, help="OMP_NUM_THREADS of the offline engine and the server (default: "
+                                                   "torch's, one per core)")
     p.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)  # the offline subprocess
     p.add_argument("--json", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -364,22 +366,43 @@ def run(args, tmp: Path, began: float) -> dict:
     else:
         description = model_dir or "embedded default model (7.2M-parameter Llama, float32 on the CPU)"
     words, n_words, prompt_tokens = prompt_words(model_dir, args.prompt_len)
-    offline = run_offline(args, model_dir, tmp / "offline.json")
+    env = {**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "warning",
+           "LLM_FINETUNE_DIR": str(tmp / "finetune")}
+    if args.cpu_threads:
+        env["OMP_NUM_THREADS"] = str(args.cpu_threads)
+    offline = run_offline(args, model_dir, tmp / "offline.json", env)
     rows = [{"mode": "offline", "endpoint": None, "concurrency": b, "tok_per_s": r["tok_per_s"],
              "ttft_p50_ms": r["ttft_median_ms"], "ttft_p99_ms": r["ttft_p99_ms"],
              # run_engine reports the median step of full-batch decode steps only: no p99 to give
              "itl_p50_ms": r["decode_step_median_ms"], "itl_p99_ms": None, "requests": b, "errors": 0}
             for b, r in offline["batches"].items()]
-    results = {"rows": rows, "startup_cold_s": None, "startup_warm_s": None,
-               "graph_step_ms_batch1": offline["graph_step_ms_batch1"], "device": args.device,
-               "gpu": offline["gpu"], "torch": offline["torch"], "triton": offline["triton"],
-               "git_commit": git_commit(), "api_server_count": args.api_server_count, "model": description,
-               "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens, "warmup_s": args.warmup,
-               "window_s": args.seconds, "drain_s": args.drain, "offline_engine_startup_s": offline["engine_startup_s"],
-               "notes": [], "skipped": []}
+    results = {
+        "rows": rows, "startup_cold_s": None, "startup_warm_s": None,
+        "graph_step_ms_batch1": offline["graph_step_ms_batch1"],
+        "device": args.device, "gpu": offline["gpu"], "torch": offline["torch"], "triton": offline["triton"],
+        "git_commit": git_commit(), "model": description, "api_server_count": args.api_server_count,
+        "cpu_threads": args.cpu_threads, "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens,
+        "warmup_s": args.warmup, "window_s": args.seconds, "drain_s": args.drain,
+        "offline_engine_startup_s": offline["engine_startup_s"], "notes": [], "skipped": []}
 
-    env = {**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "warning",
-           "LLM_FINETUNE_DIR": str(tmp / "finetune")}
+    server = start_for_load(args, model_dir, env, tmp, results)
+    print(f"server ready; startup {results['startup']}", flush=True)
+    try:
+        results["rows"] += load_levels(args, server, words, n_words, results, began)
+    finally:
+        server.stop()
+    results["served_over_offline"] = {
+        ep: {str(r["concurrency"]): r["tok_per_s"] / offline["batches"][r["concurrency"]]["tok_per_s"]
+             for r in results["rows"] if r["endpoint"] == ep and r.get("concurrency") in offline["batches"]}
+        for ep in args.endpoints}
+    served = [r for r in results["rows"] if r["mode"] == "served"]
+    results["loadgen_cpu_util_max"] = max((u for r in served for u in r["loadgen_cpu_util"]), default=None)
+    return results
+
+
+def start_for_load(args, model_dir: str | None, env: dict, tmp: Path, results: dict) -> Server:
+    """On the GPU a cold start on a fresh compile cache, stopped, then the warm start that takes the load; on the
+    CPU (no compile caches) one start. Start-up times go into results."""
     if args.device == "cuda":
         help_text = subprocess.run([sys.executable, "-m", "service", "--help"], cwd=ROOT, env=env,
                                    capture_output=True, text=True, timeout=120).stdout
@@ -393,22 +416,11 @@ def run(args, tmp: Path, began: float) -> dict:
         server, warm = start_server(args, model_dir, args.out / "serve_server_warm.log", env, cache, cache_flag)
         results |= {"startup_cold_s": cold["first_token_s"], "startup_warm_s": warm["first_token_s"],
                     "startup": {"cold": cold, "warm": warm}}
-    else:  # no compile caches on the CPU: one start
+    else:
         server, start = start_server(args, model_dir, args.out / "serve_server.log", env, None, False)
         results |= {"startup_cold_s": start["first_token_s"], "startup": {"cold": start}}
         results["notes"].append("cpu: one server start (no compile caches), reported as startup_cold_s")
-    print(f"server ready; startup {results['startup']}", flush=True)
-    try:
-        results["rows"] += load_levels(args, server, words, n_words, results, began)
-    finally:
-        server.stop()
-    results["served_over_offline"] = {
-        ep: {str(r["concurrency"]): r["tok_per_s"] / offline["batches"][r["concurrency"]]["tok_per_s"]
-             for r in results["rows"] if r["endpoint"] == ep and r.get("concurrency") in offline["batches"]}
-        for ep in args.endpoints}
-    served = [r for r in results["rows"] if r["mode"] == "served"]
-    results["loadgen_cpu_util_max"] = max((u for r in served for u in r["loadgen_cpu_util"]), default=None)
-    return results
+    return server
 
 
 def load_levels(args, server: Server, words: list[str], n_words: int, results: dict, began: float) -> list[dict]:
