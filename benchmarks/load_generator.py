@@ -7,8 +7,9 @@ CLOCK_MONOTONIC, one clock for every process, so the parent merges all records i
 A level runs in three phases from a common start t0: warm-up (requests run, nothing is measured), the
 measuring window, and a drain in which no new request starts and those in flight may finish (up to a cut-off,
 after which they are cancelled and counted as cut). Throughput counts the token events that arrived inside the
-window, whichever request they belong to. Latencies (TTFT, ITL) and goodput are over the requests that started
-inside the window, followed to their end through the drain.
+window, whichever request they belong to. Latencies and goodput are over the requests that started inside the
+window, followed through the drain: TTFT percentiles over requests, ITL percentiles over all their inter-token
+gaps (cut requests count with the tokens they got), goodput over those that completed.
 """
 import asyncio
 import json
@@ -209,10 +210,13 @@ def summarize(level: Level, ttft_slo_s: float = 0.5, itl_slo_s: float = 0.05) ->
     w0, w1 = level.window
     span = w1 - w0
     measured = [r for r in level.records if w0 <= r.start < w1]
-    done = [r for r in measured if r.ok and r.tokens]
-    ttft = [r.tokens[0] - r.start for r in done]
-    gaps = [np.diff(r.tokens) for r in done]
-    good = sum(t <= ttft_slo_s and (len(g) == 0 or np.percentile(g, 99) <= itl_slo_s) for t, g in zip(ttft, gaps))
+    # Latencies also from requests cut off at the end: their tokens until then are real observations, and a
+    # server too slow to finish requests within the drain would otherwise have none.
+    timed = [r for r in measured if r.tokens and r.error is None]
+    ttft = [r.tokens[0] - r.start for r in timed]
+    gaps = [np.diff(r.tokens) for r in timed]
+    good = sum(r.ok and t <= ttft_slo_s and (len(g) == 0 or np.percentile(g, 99) <= itl_slo_s)
+               for r, t, g in zip(timed, ttft, gaps))
     errors = [r.error for r in level.records if r.error]
     all_gaps = np.concatenate(gaps) if gaps else []
     return {

@@ -37,10 +37,10 @@ def test_load_levels_count_tokens_in_the_window_and_latencies_of_requests_starte
                Record(1.0, tokens=[1.2, 1.21, 1.22], ok=True),
                Record(2.0, tokens=[2.9, 3.1], ok=True),  # TTFT 900 ms: not good
                Record(2.5, error="HTTP 500"),
-               Record(2.8, tokens=[2.95])]  # cut: still running at the cut-off
+               Record(2.8, tokens=[2.95, 2.99])]  # cut: still running at the cut-off, timed but not good
     r = summarize(Level(records, (1.0, 3.0), [0.1, 0.2]))
-    assert r["tok_per_s"] == 7 / 2 and (r["requests"], r["errors"], r["cut"]) == (4, 1, 1)
-    assert r["ttft_p50_ms"] == pytest.approx(550) and r["itl_p50_ms"] == pytest.approx(10)
+    assert r["tok_per_s"] == 8 / 2 and (r["requests"], r["errors"], r["cut"]) == (4, 1, 1)
+    assert r["ttft_p50_ms"] == pytest.approx(200) and r["itl_p50_ms"] == pytest.approx(25)
     assert r["goodput_rps"] == 0.5 and r["loadgen_cpu_util"] == [0.1, 0.2]
 
 
