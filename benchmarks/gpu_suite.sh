@@ -16,7 +16,7 @@ results=benchmarks/results
 logs=${OUT:-$results}
 mkdir -p "$results" "$logs"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(tests attention decode generate finetune serve)
+[ ${#parts[@]} -eq 0 ] && parts=(tests attention decode generate finetune load serve)
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$logs/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$logs/gpu.txt"
 
