@@ -77,7 +77,8 @@ def service_process(**settings) -> Iterator[Service]:
     log = tmp / "service.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                   preexec_fn=_die_with_parent)
     service = Service(f"http://127.0.0.1:{port}", process, log)
     try:
         wait_healthy(service.url, lambda: process.poll() is None, describe=service.log_tail)
@@ -86,6 +87,14 @@ def service_process(**settings) -> Iterator[Service]:
         stop_process(process)
         print(f"--- the service's log ({log}):\n{service.log_tail()}")  # pytest shows it when a test failed
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In the launcher before it runs: SIGTERM (its drain) should pytest itself be killed, so that no service
+    outlives the run holding the GPU."""
+    import ctypes
+    import ctypes.util
+    ctypes.CDLL(ctypes.util.find_library("c")).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def stop_process(process: subprocess.Popen, timeout: float = 60) -> None:
