@@ -1,7 +1,8 @@
 """The HTTP front-end's handle on the engine core (another process, over ZeroMQ; see service.protocol).
 
-One asyncio task receives what the core sends. Each StepOutputs message carries one new token for every running
-request of this front-end; the task turns the tokens into text here (detokenization and stop strings are the
+The event loop reads the core's socket (a plain ZeroMQ socket: a reader callback drains every message waiting,
+with no coroutine per message). Each StepOutputs message carries one new token for every running request of
+this front-end; the reader turns the tokens into text here (detokenization and stop strings are the
 front-end's work, off the engine's critical path), observes their inter-token latencies in one batch, aborts the
 requests that hit a stop string, and wakes each request's consumer once. A consumer that fell behind takes all its
 waiting tokens at once, so its HTTP writes batch up by themselves under load.
@@ -16,8 +17,7 @@ import time
 from dataclasses import dataclass
 
 import zmq
-import zmq.asyncio
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
 
 from service.metrics import FrontendMetrics, RequestTimer, observe_many
 from service.protocol import (
@@ -131,7 +131,7 @@ class EngineClient:
         self.address = address
         self.identity = identity
         self.metrics = metrics
-        self.context = zmq.asyncio.Context()
+        self.context = zmq.Context()
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.special_ids: set[int] = set()
@@ -140,7 +140,7 @@ class EngineClient:
         self._admissions: dict[str, tuple[asyncio.Future, list[int], SamplingParams]] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._tasks: list[asyncio.Task] = []
+        self._info_task: asyncio.Task | None = None
         self._pack = encoder().encode
         self._unpack = frontend_decoder().decode
 
@@ -168,6 +168,7 @@ class EngineClient:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         self.socket.setsockopt(zmq.SNDHWM, 0)
@@ -175,13 +176,16 @@ class EngineClient:
         self.socket.setsockopt(zmq.LINGER, 0)
         self.monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self.socket.connect(self.address)
-        self._tasks = [asyncio.create_task(self._receive(), name="engine-client-receive"),
-                       asyncio.create_task(self._watch(), name="engine-client-watch")]
+        # ZeroMQ's descriptors signal edges: each callback reads until nothing is left.
+        self.loop.add_reader(self.socket.FD, self._receive)
+        self.loop.add_reader(self.monitor.FD, self._watch)
+        self._watch()  # what happened before the readers were there
 
     async def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.loop.remove_reader(self.socket.FD)
+        self.loop.remove_reader(self.monitor.FD)
+        if self._info_task is not None:
+            self._info_task.cancel()
         self.socket.disable_monitor()
         self.monitor.close()
         self.socket.close()
@@ -206,10 +210,10 @@ class EngineClient:
         self._admissions.clear()
         self._calls.clear()
 
-    async def _watch(self) -> None:
+    def _watch(self) -> None:
         """Says hello whenever the core's socket connects; fails everything in flight when it drops."""
-        while True:
-            event = await recv_monitor_message(self.monitor)
+        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(self.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
                 self._send(Hello())
             elif event["event"] == zmq.EVENT_DISCONNECTED:
@@ -220,6 +224,8 @@ class EngineClient:
 
     def _send(self, message) -> None:
         self.socket.send(self._pack(message), copy=False)
+        # A send may consume the descriptor's edge for messages already waiting: read them now.
+        self.loop.call_soon(self._receive)
 
     # -- requests ----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -254,9 +260,9 @@ class EngineClient:
         return await future
 
     # -- what the core sends -----------------------------------------------------------------------------
-    async def _receive(self) -> None:
-        while True:
-            message = self._unpack(await self.socket.recv(copy=False))
+    def _receive(self) -> None:
+        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            message = self._unpack(self.socket.recv(copy=False))
             if isinstance(message, StepOutputs):
                 self._on_step(message.outputs)
             elif isinstance(message, Admitted):
@@ -272,7 +278,7 @@ class EngineClient:
                 if self.info is not None:
                     self.info.adapters = message.adapters
             elif isinstance(message, EngineInfo):
-                await self._on_info(message)
+                self._info_task = self.loop.create_task(self._on_info(message))
 
     async def _on_info(self, info: EngineInfo) -> None:
         if self.tokenizer is None:
