@@ -102,9 +102,9 @@ def prompt_words(model_dir: str | None, prompt_len: int) -> tuple[list[str], int
     """(words, words per prompt, mean prompt tokens) for random prompts of about prompt_len tokens. The words
     are single tokens decoded to text: one token each with the word-level tokenizer; with a subword tokenizer
     they may merge or split, so the words per prompt are calibrated by encoding a few prompts."""
-    from transformers import AutoTokenizer
+    from service.text import load_tokenizer  # the service's: AutoTokenizer would take config.json's Qwen2Tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir or DEFAULT_MODEL_DIR))
+    tokenizer = load_tokenizer(model_dir or DEFAULT_MODEL_DIR)
     rng = random.Random(0)
     ids = rng.sample(range(len(tokenizer)), min(8192, len(tokenizer)))
     words = [w for w in (tokenizer.decode([i], skip_special_tokens=True).strip() for i in ids)

@@ -12,13 +12,14 @@ ROW_KEYS = {"mode", "endpoint", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_
 
 
 def test_word_level_tokenizer_makes_every_token_visible_text(tmp_path):
-    from transformers import AutoTokenizer
-
     from benchmarks.serve import write_word_tokenizer
-    from service.engine.detokenizer import IncrementalDetokenizer
+    from service.text import TextStream, load_tokenizer
 
     write_word_tokenizer(tmp_path, 151936, eos_token_id=151643)
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    # Beside a Qwen2 config, as in the benchmark (transformers' AutoTokenizer then picks Qwen2Tokenizer, which
+    # encodes these words to nothing; the service loads tokenizer.json as it is).
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}))
+    tokenizer = load_tokenizer(tmp_path)
     assert len(tokenizer) == 151936 and tokenizer.eos_token_id == 151643
     assert tokenizer.encode("w5 w77") == [5, 77] and tokenizer.decode([5, 77]) == "w5 w77"
     text = tokenizer.apply_chat_template([{"role": "user", "content": "w5 w77"}], tokenize=False,
@@ -26,7 +27,7 @@ def test_word_level_tokenizer_makes_every_token_visible_text(tmp_path):
     prompt = tokenizer.encode(text, add_special_tokens=False)
     assert len(prompt) == 7 and prompt[2:4] == [5, 77] and tokenizer.unk_token_id not in prompt
     # What the server streams: one piece of text per generated token.
-    detokenizer = IncrementalDetokenizer(tokenizer, prompt, stop=[])
+    detokenizer = TextStream(tokenizer, prompt, stop=[])
     assert [detokenizer.add(t)[0] for t in (9, 151000, 42)] == [" w9", " w151000", " w42"]
 
 
