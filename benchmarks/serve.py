@@ -88,9 +88,9 @@ def write_word_tokenizer(path: Path, vocab_size: int, eos_token_id: int) -> None
 
 def write_model(path: Path) -> None:
     """Random Qwen2.5-0.5B-shaped bf16 weights (needs CUDA) with the word-level tokenizer."""
-    from benchmarks.generate import CONFIG, write_checkpoint
-
     import torch
+
+    from benchmarks.generate import CONFIG, write_checkpoint
 
     path.mkdir(parents=True)
     write_checkpoint(path)

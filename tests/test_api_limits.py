@@ -10,7 +10,6 @@ import openai
 import pytest
 from server import scrape, serve, serve_in_process, sse_events
 
-from service.api import create_app
 from service.config import Settings
 from service.metrics import ENDPOINTS, FINETUNE_STATES, OUTCOMES
 
@@ -90,18 +89,6 @@ def test_metrics_move_with_a_request(base_url):
 def test_health_and_info(base_url):
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{base_url}/info").json()["max_total_tokens"] == 2048
-
-
-def test_health_is_503_before_an_engine_core_answers(tmp_path):
-    async def probe():
-        # nothing listens at this address: the front-end serves, but has no engine core to attach to
-        app = create_app(Settings(device="cpu"), f"ipc://{tmp_path / 'no-core.sock'}")
-        async with app.router.lifespan_context(app):
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://app") as c:
-                return (await c.get("/health")).status_code, await c.post("/generate", json={"inputs": "a"})
-
-    health, generate = asyncio.run(probe())
-    assert health == 503 and generate.status_code == 503 and generate.json()["error_type"] == "unavailable"
 
 
 def test_many_concurrent_streams(base_url):

@@ -38,6 +38,10 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
         client = EngineClient(engine_address, name or f"api-{os.getpid()}", app.state.metrics)
         await client.start()
         app.state.engine = client
+        # Accept no connection before this front-end can serve: the front-ends share one port, and the first to
+        # answer /health must not vouch for another still waiting for the engine core (it may load for minutes;
+        # meanwhile connections wait in the listening socket's queue).
+        await client.wait_ready()
         yield
         await client.close()
 

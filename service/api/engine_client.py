@@ -141,6 +141,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._info_task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
         self._pack = encoder().encode
         self._unpack = frontend_decoder().decode
 
@@ -285,7 +286,12 @@ class EngineClient:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
             self.special_ids = set(self.tokenizer.all_special_ids)
         self.info = info
+        self._ready.set()
         log.info("attached to the engine core serving %s", info.model_name)
+
+    async def wait_ready(self) -> None:
+        """Returns once the engine core has answered and the tokenizer is loaded."""
+        await self._ready.wait()
 
     def _on_admitted(self, message: Admitted) -> None:
         for request_id in message.accepted:
