@@ -340,6 +340,9 @@ def parse_args(argv=None):
 
 
 def git_commit() -> str | None:
+    """BENCH_COMMIT when set (a copied tree's .git may be stale: the device machine's was), else git's HEAD."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:  # a copy of the tree without .git, or a machine without git: unknown
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     except OSError:
@@ -376,7 +379,7 @@ def run(args, tmp: Path, began: float) -> dict:
     else:
         description = model_dir or "embedded default model (7.2M-parameter Llama, float32 on the CPU)"
     words, n_words, prompt_tokens = prompt_words(model_dir, args.prompt_len)
-    env = {**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "warning",
+    env = {**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "info",  # the log times start-up phases
            "LLM_FINETUNE_DIR": str(tmp / "finetune")}
     if args.cpu_threads:
         env["OMP_NUM_THREADS"] = str(args.cpu_threads)

@@ -39,14 +39,14 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     new token attends (causally) to its sequence's cached prefix and the new tokens up to itself."""
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if use_triton(q.device):
-        from kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+        from kernels import flash_attn_forward, flash_attn_with_kvcache
         if meta.decode:
             out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, meta.seqlens_k, meta.block_table,
                                           softmax_scale=scale, causal=True, num_splits=meta.num_splits)
             return out.squeeze(1)
-        return flash_attn_varlen_func(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                      meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                                      block_table=meta.block_table)
+        # The runner built these inputs: the launcher alone, without the public API's checks and autograd.
+        return flash_attn_forward(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                  meta.max_seqlen_k, scale, True, meta.block_table)[0]
     cu_q = meta.cu_seqlens_q
     if cu_q is None:
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)

@@ -1,13 +1,18 @@
-"""Where an eager prefill step's time goes (it is the time to first token): the step's wall time against its GPU
-time, the host time of one call of our varlen attention, and the host ops that cost most (torch.profiler).
+"""Where an engine step's host time goes. Prefill (the time to first token): an eager step's wall time against
+its GPU time, the host time of one call of our varlen attention, and the host ops that cost most
+(torch.profiler). Decode: the wall time of overlapped steps at a few batch sizes and the Python functions that
+cost most (cProfile), to set against the decode graph's GPU time.
 
-python benchmarks/prefill_step.py [--tokens 128] [--out DIR]
+python benchmarks/step_profile.py [--tokens 128] [--out DIR]
 
-Uses the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py, one sequence, no CUDA graphs.
+Uses the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py. Writes step_profile.json.
 """
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -18,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.generate import write_checkpoint  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
+from service.protocol import SamplingParams  # noqa: E402
 
 
 def median_ms(fn, repeat: int = 50) -> float:
@@ -38,7 +44,7 @@ def main():
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     write_checkpoint(tmp)
-    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096, cuda_graphs=False)
+    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
     runner, model = llm.engine.runner, llm.engine.model
     n = args.tokens
     tables = [list(range(-(-n // runner.block_size)))]
@@ -78,10 +84,43 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "tokens": n, "layers": model.config.num_hidden_layers,
               "step_wall_ms": wall, "step_gpu_ms": gpu_ms, "attention_call_host_us": attention_host_us,
               "attention_call_wall_ms": attention_ms}
+    decode = {batch: decode_profile(llm, batch) for batch in (1, 64, 256)}
     print(table)
+    for batch, d in decode.items():
+        print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step\n{d['profile']}")
+    result["decode_step_ms"] = {batch: d["step_ms"] for batch, d in decode.items()}
     print(json.dumps(result, indent=1))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefill_step.json").write_text(json.dumps({**result, "profile": table}, indent=1))
+    (args.out / "step_profile.json").write_text(json.dumps(
+        {**result, "prefill_profile": table, "decode_profiles": {b: d["profile"] for b, d in decode.items()}},
+        indent=1))
+
+
+def decode_profile(llm, batch: int, steps: int = 200) -> dict:
+    """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile."""
+    engine = llm.engine
+    params = SamplingParams(max_new_tokens=3 * steps, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"decode-{batch}-{i}", list(range(3, 131)), params)
+    for _ in range(10):  # the prefill and the first decodes
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = 1e3 * (time.perf_counter() - start) / steps
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    return {"step_ms": step_ms, "profile": text.getvalue()[-3500:]}
 
 
 if __name__ == "__main__":
