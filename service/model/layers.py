@@ -7,6 +7,7 @@ steps (a short prompt's prefill: the time to first token) are bound by the host,
 region (guards, wrappers: about 100 us, measured on an H100 host) costs more than the launches it saves; they,
 training and the CPU keep the eager path.
 """
+import contextlib
 import math
 
 import torch
@@ -14,17 +15,29 @@ from torch import nn
 from torch.nn import functional as F
 
 FUSE_MIN_TOKENS = 2048  # an eager step with this many tokens is bound by the GPU, not by launching
+_graph_forwards = 0  # > 0 inside fusing(): forwards that will be (or are being) captured in a CUDA graph
+
+
+@contextlib.contextmanager
+def fusing():
+    """Forwards for a CUDA graph: the warm-up before a capture must compile what the capture will run (nothing can
+    compile inside a capture), and the capture must run it."""
+    global _graph_forwards
+    _graph_forwards += 1
+    try:
+        yield
+    finally:
+        _graph_forwards -= 1
 
 
 def fused(fn):
-    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd, in a CUDA graph
-    capture or for at least FUSE_MIN_TOKENS rows."""
+    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd, in forwards for a
+    CUDA graph (fusing()) or for at least FUSE_MIN_TOKENS rows."""
     compiled = None
 
     def run(x, *args):
         nonlocal compiled
-        if not x.is_cuda or torch.is_grad_enabled() or (x.shape[0] < FUSE_MIN_TOKENS
-                                                       and not torch.cuda.is_current_stream_capturing()):
+        if not x.is_cuda or torch.is_grad_enabled() or (x.shape[0] < FUSE_MIN_TOKENS and not _graph_forwards):
             return fn(x, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
