@@ -14,7 +14,6 @@ from kvcache import KVCache
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
 from service.model.attention import AttentionMetadata
-from service.model.layers import fusing
 
 log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
@@ -186,7 +185,7 @@ class ModelRunner:
             def forward():
                 return self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta))
 
-            with torch.inference_mode(), fusing():
+            with torch.inference_mode():
                 s["seqlens_k"].fill_(1)
                 forward()  # compile kernels and settle allocations outside the capture
                 torch.cuda.synchronize()

@@ -1,43 +1,23 @@
 """Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
 
-Their elementwise math runs eagerly as a handful of small kernels each. Inside a captured CUDA graph (decode),
-where launches cost nothing on the host but each kernel costs GPU time, and in eager steps large enough to be
-bound by the GPU, the same functions run through torch.compile, which fuses each into one kernel. Smaller eager
-steps (a short prompt's prefill: the time to first token) are bound by the host, where calling a compiled
-region (guards, wrappers: about 100 us, measured on an H100 host) costs more than the launches it saves; they,
-training and the CPU keep the eager path.
+Their elementwise math runs eagerly as a handful of small kernels each; a decode step of a small model is bound
+by those launches, not by bytes, so on CUDA inference (no autograd) the same functions run through
+torch.compile, which fuses each into one kernel. Training and CPU keep the eager path.
 """
-import contextlib
 import math
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-FUSE_MIN_TOKENS = 2048  # an eager step with this many tokens is bound by the GPU, not by launching
-_graph_forwards = 0  # > 0 inside fusing(): forwards that will be (or are being) captured in a CUDA graph
-
-
-@contextlib.contextmanager
-def fusing():
-    """Forwards for a CUDA graph: the warm-up before a capture must compile what the capture will run (nothing can
-    compile inside a capture), and the capture must run it."""
-    global _graph_forwards
-    _graph_forwards += 1
-    try:
-        yield
-    finally:
-        _graph_forwards -= 1
-
 
 def fused(fn):
-    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd, in forwards for a
-    CUDA graph (fusing()) or for at least FUSE_MIN_TOKENS rows."""
+    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd."""
     compiled = None
 
     def run(x, *args):
         nonlocal compiled
-        if not x.is_cuda or torch.is_grad_enabled() or (x.shape[0] < FUSE_MIN_TOKENS and not _graph_forwards):
+        if not x.is_cuda or torch.is_grad_enabled():
             return fn(x, *args)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
