@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from service.config import Settings, default_api_server_count, load_settings
+from service.config import Settings, default_api_server_count, load_settings, usable_cpus
 
 log = logging.getLogger("service.launcher")
 CORE_DEATH_GRACE = 2.0  # seconds the front-ends keep answering (errors, 503) after the core died
@@ -62,7 +62,7 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
         # The cores the front-ends do not need. Intra-op threads that must wait for a core busy elsewhere stall
         # every barrier of every small op (15 ms instead of 0.3 for a decode's attention, measured on 2 cores).
         count = settings.api_server_count or default_api_server_count()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) - count - 1))
+        torch.set_num_threads(max(1, usable_cpus() - count - 1))
     EngineCore(settings, address).run(lifeline)
 
 
