@@ -39,7 +39,16 @@ class Settings(BaseSettings):
     max_waiting_requests: int = Field(512, description="beyond this, 429")
     max_request_bytes: int = Field(1 << 20, description="request body limit")
     max_stop_sequences: int = 16
-    api_key: str | None = Field(None, description="Bearer key; required on the route groups in api_key_routes")
+    max_concurrent_requests: int = Field(4096, ge=1, description="requests one front-end serves at once; beyond, "
+                                         "503 (each holds a connection and a file descriptor)")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a connection has to send a request's headers, "
+                                  "from its opening or its previous response (slow clients hold no descriptor)")
+    body_timeout: float = Field(60.0, gt=0, description="seconds a request has to send its whole body (408 after)")
+    keep_alive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    drain_seconds: float = Field(30.0, ge=0, description="on SIGTERM/SIGINT: how long running requests may take to "
+                                 "finish before they end with an error")
+    api_key: str | None = Field(None, description="Bearer key; required on the route groups in api_key_routes "
+                                "(and on /docs and /openapi.json)")
     api_key_routes: str = Field("finetune", description="comma list of: generate, openai, finetune, metrics")
     log_level: str = "info"
 
@@ -48,6 +57,9 @@ class Settings(BaseSettings):
     finetune_max_file_bytes: int = Field(32 << 20, gt=0, description="largest training file accepted")
     finetune_duty_cycle: float = Field(0.5, gt=0, le=1, description="most of the time training may take while "
                                        "requests are being served")
+    finetune_max_files: int = Field(1000, ge=1, description="training files kept (DELETE /v1/files/{id} frees one)")
+    finetune_max_jobs: int = Field(1000, ge=1, description="fine-tuning jobs kept, finished ones included")
+    finetune_max_messages: int = Field(256, ge=1, description="messages per chat example of a training file")
 
     @field_validator("model", mode="before")
     @classmethod

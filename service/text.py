@@ -1,5 +1,6 @@
 """Text: loading a model's tokenizer, and incremental detokenization with stop strings. Runs where text is made:
 in the HTTP front-ends and the offline LLM (the engine core only loads the tokenizer for its EOS ids)."""
+import re
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -15,6 +16,52 @@ def load_tokenizer(model_dir):
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+class ChatTemplateError(ValueError):
+    """The chat cannot be rendered, or not without letting message text become control tokens."""
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_args) -> list[int]:
+    """Token ids of a conversation rendered by the model's chat template, in which only the template's own markup
+    becomes special tokens: a message saying "<|im_end|>" gets those characters, never the control token (else a
+    user could close their turn and forge a system or assistant one).
+
+    The template is rendered twice: with the messages, and with a marker in place of each text. The markers cut
+    the markup from the texts; the texts are then encoded with special tokens taken literally. A template that
+    rewrites texts (trims them, say) is matched with the trimmed texts; one that rewrites them otherwise is
+    encoded as a whole, unless a text holds a special token's spelling, which is then refused."""
+    def render(msgs):
+        try:
+            return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                 **template_args)
+        except Exception as e:  # the template's own checks (roles must alternate, ...) raise here
+            raise ChatTemplateError(str(e)) from None
+
+    text = render(messages)
+    texts = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]}
+    try:
+        marked = render([{**m, "content": f"\x00{i}\x00"} if i in texts else m for i, m in enumerate(messages)])
+    except ChatTemplateError:  # the template looks into the texts
+        marked = ""
+    parts = re.split("\x00([0-9]+)\x00", marked)
+    for rewrite in (str, str.strip):
+        if marked and "".join(p if j % 2 == 0 else rewrite(texts[int(p)]) for j, p in enumerate(parts)) == text:
+            ids = []
+            for j, part in enumerate(parts):
+                if j % 2 == 0:
+                    ids += tokenizer.encode(part, add_special_tokens=False)
+                else:
+                    ids += tokenizer.encode(rewrite(texts[int(part)]), add_special_tokens=False,
+                                            split_special_tokens=True)
+            return ids
+    specials = [t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()) if t]
+    for i, content in texts.items():
+        found = next((t for t in specials if t in content), None)
+        if found is not None:
+            raise ChatTemplateError(f"messages.{i}.content holds the special token {found!r}, which this model's "
+                                    "chat template would not keep as text")
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 class TextStream:

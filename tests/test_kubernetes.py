@@ -148,14 +148,11 @@ def memory_bytes(quantity: str) -> int:
 
 
 def drain_seconds() -> float:
-    """The service's drain after SIGTERM (DRAIN_SECONDS in service/), else the README's statement of it."""
-    for path in sorted((ROOT / "service").rglob("*.py")):
-        match = re.search(r"^DRAIN_SECONDS\s*=\s*([\d.]+)", path.read_text(), flags=re.M)
-        if match:
-            return float(match.group(1))
-    match = re.search(r"gives running requests (\d+) s to finish", (ROOT / "README.md").read_text())
-    assert match, "cannot find the drain time (DRAIN_SECONDS in service/, or the README's sentence)"
-    return float(match.group(1))
+    """The service's drain after SIGTERM: the drain_seconds setting's default, unless config.env sets it."""
+    from service.config import Settings
+
+    overridden = re.search(r"^LLM_DRAIN_SECONDS=([\d.]+)", (K8S / "base" / "config.env").read_text(), flags=re.M)
+    return float(overridden.group(1)) if overridden else Settings.model_fields["drain_seconds"].default
 
 
 def prestop_seconds(container: dict) -> float:
@@ -276,7 +273,7 @@ def test_grace_period_covers_the_prestop_sleep_and_the_drain(render, variant):
     pause = prestop_seconds(server(docs))
     drain = drain_seconds()
     assert 3 <= pause <= 30, "long enough for endpoints to update, short enough not to delay rollouts"
-    # the drain (DRAIN_SECONDS) then uvicorn's wait for the connections, at most DRAIN_SECONDS + 10
+    # the drain, then uvicorn's wait for the connections (at most the drain + 10 s)
     assert pod_spec(docs)["terminationGracePeriodSeconds"] > pause + 2 * drain
     deployment = only(docs, "Deployment")["spec"]
     startup = server(docs)["startupProbe"]

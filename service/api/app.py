@@ -8,20 +8,21 @@ import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from service.api import finetune_routes, openai_routes, tgi_routes
-from service.api.auth import protected_groups, require_api_key
+from service.api.auth import protected_groups, require_any_api_key, require_api_key
 from service.api.engine_client import EngineClient
-from service.api.errors import install_handlers
+from service.api.errors import RETRY_AFTER_SECONDS, APIError, error_response, install_handlers
 from service.api.generation import engine
 from service.config import Settings
 from service.metrics import FrontendMetrics, exposition
 
 ENDPOINTS = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream",
              "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
-OUTCOME_BY_STATUS = {429: "overloaded", 503: "overloaded"}
+OUTCOME_BY_STATUS = {429: "overloaded", 499: "aborted", 503: "overloaded"}
 QUIET_PATHS = {"/health", "/metrics"}  # scraped every few seconds: logged at debug level only
 _REQUEST_ID = re.compile(r"[\w.:-]{1,128}")
 
@@ -29,9 +30,10 @@ log = logging.getLogger("service.api")
 
 
 def create_app(settings: Settings, engine_address: str, name: str | None = None,
-               registry: CollectorRegistry | None = None) -> FastAPI:
+               registry: CollectorRegistry | None = None, max_concurrent_requests: int | None = None) -> FastAPI:
     """The app of one front-end, attached to the engine core at engine_address (a ZeroMQ address). name: this
-    front-end's identity towards the core (unique among the core's front-ends)."""
+    front-end's identity towards the core (unique among the core's front-ends). Beyond max_concurrent_requests
+    (default: the setting) requests get 503."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -45,7 +47,8 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
         yield
         await client.close()
 
-    app = FastAPI(title="tritonserve", lifespan=lifespan)
+    # The API's description is served by our own routes below: behind the API key when one is set.
+    app = FastAPI(title="tritonserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
     app.state.engine = None  # the EngineClient, once the app runs
     app.state.registry = registry if registry is not None else CollectorRegistry()
@@ -61,12 +64,13 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
         app.state.metrics.count_request(endpoint, outcome)
 
     install_handlers(app, count_error)
+    app.add_middleware(ConcurrencyLimit, limit=max_concurrent_requests or settings.max_concurrent_requests)
     app.add_middleware(RequestLog)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(finetune_routes.router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health(request: Request):
         client = request.app.state.engine
         ready = client is not None and client.ready and client.accepting
@@ -83,7 +87,36 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
     async def metrics(request: Request):
         return Response(exposition(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_any_api_key)])
+    async def openapi():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=[Depends(require_any_api_key)])
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tritonserve")
+
     return app
+
+
+class ConcurrencyLimit:
+    """ASGI middleware: beyond `limit` requests in this front-end at once, a 503 (JSON in the route's dialect,
+    with Retry-After) instead of another connection, descriptor and stream."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            error = APIError(503, f"this front-end serves {self.limit} requests at once", code="overloaded",
+                             headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            return await error_response(scope["path"], error)(scope, receive, send)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
 
 
 class RequestLog:

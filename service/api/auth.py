@@ -20,11 +20,21 @@ def require_api_key(group: str):
 
     def check(request: Request) -> None:
         settings = request.app.state.settings
-        if not settings.api_key or group not in request.app.state.protected_groups:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "missing or invalid API key", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+        if settings.api_key and group in request.app.state.protected_groups:
+            _check(request, settings.api_key)
 
     return check
+
+
+def _check(request: Request, key: str) -> None:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or invalid API key", code="invalid_api_key",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_any_api_key(request: Request) -> None:
+    """A route dependency: with a key configured, always require it (the API's own description, /docs)."""
+    key = request.app.state.settings.api_key
+    if key:
+        _check(request, key)

@@ -1,23 +1,39 @@
-"""Reading a JSON request body: size limit, strict UTF-8, JSON, then the pydantic schema, each failure a clear
-4xx (FastAPI's own body parsing would answer some of these with its own shapes)."""
+"""Reading a request body: a size limit that holds while reading (chunked uploads too), a deadline, strict UTF-8,
+JSON, then the pydantic schema, each failure a clear 4xx (FastAPI's own body parsing would answer some of these
+with its own shapes). A client that leaves while sending is not an error of ours: ClientGone."""
+import asyncio
+from collections.abc import AsyncIterator
+
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from service import strict_json
-from service.api.errors import APIError, validation_error
+from service.api.errors import APIError, ClientGone, validation_error
+
+
+async def limited_stream(request: Request, max_bytes: int, what: str = "request body") -> AsyncIterator[bytes]:
+    """The body's chunks, failing with 413 as soon as they pass max_bytes (before anything is kept), with 408
+    past the body deadline, and with ClientGone when the client disconnects."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"{what} is larger than {max_bytes} bytes")
+    timeout = request.app.state.settings.body_timeout
+    size = 0
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise APIError(413, f"{what} is larger than {max_bytes} bytes")
+                yield chunk
+    except ClientDisconnect:
+        raise ClientGone() from None
+    except TimeoutError:
+        raise APIError(408, f"{what} did not arrive within {timeout:g} s", code="timeout") from None
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body is larger than {max_bytes} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, f"request body is larger than {max_bytes} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return b"".join([chunk async for chunk in limited_stream(request, max_bytes)])
 
 
 def parse_json(body: bytes):

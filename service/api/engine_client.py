@@ -35,7 +35,7 @@ from service.protocol import (
     encoder,
     frontend_decoder,
 )
-from service.text import TextStream, load_tokenizer
+from service.text import TextStream, encode_chat, load_tokenizer
 
 log = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 4096  # a few hundred microseconds of tokenizing: cheaper than a hop to a thread
@@ -135,6 +135,7 @@ class EngineClient:
         self.info: EngineInfo | None = None
         self.tokenizer = None
         self.special_ids: set[int] = set()
+        self.max_token_chars = 0
         self.accepting = True
         self.streams: dict[str, RequestStream] = {}
         self._admissions: dict[str, tuple[asyncio.Future, list[int], SamplingParams]] = {}
@@ -161,11 +162,22 @@ class EngineClient:
     def served_models(self) -> list[str]:
         return [self.info.model_name, *self.info.adapters]
 
+    def may_fit(self, text: str) -> bool:
+        """False when the text is certainly longer than the context: a check in constant time."""
+        return len(text) <= self.max_model_len * self.max_token_chars
+
     async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt; long texts are tokenized in a worker thread so the event loop keeps serving."""
         if len(text) < INLINE_TOKENIZE_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a chat through the model's template, its messages' text kept as text (service.text);
+        raises ChatTemplateError."""
+        if sum(len(m.get("content") or "") for m in messages) < INLINE_TOKENIZE_CHARS:
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=True)
+        return await asyncio.to_thread(encode_chat, self.tokenizer, messages, add_generation_prompt=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -285,6 +297,9 @@ class EngineClient:
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
             self.special_ids = set(self.tokenizer.all_special_ids)
+            # No token stands for more characters than its longest spelling: a text longer than this many per
+            # token of context cannot fit, and is refused without tokenizing it.
+            self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
         self.info = info
         self._ready.set()
         log.info("attached to the engine core serving %s", info.model_name)

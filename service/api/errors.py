@@ -4,7 +4,7 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -14,10 +14,15 @@ RETRY_AFTER_SECONDS = 1
 
 # TGI error_type and OpenAI error type for each kind of failure.
 _TGI_TYPES = {400: "validation", 401: "authentication", 404: "not_found", 405: "method_not_allowed",
-              413: "validation", 422: "validation", 429: "overloaded", 500: "generation", 503: "unavailable"}
+              408: "validation", 413: "validation", 422: "validation", 429: "overloaded", 500: "generation",
+              503: "unavailable"}
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                 429: "overloaded", 500: "internal_error", 503: "unavailable"}
+                 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                 422: "invalid_request_error", 429: "overloaded", 500: "internal_error", 503: "unavailable"}
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read: nobody is left to answer, and nothing failed."""
 
 
 class APIError(Exception):
@@ -66,11 +71,16 @@ def validation_error(error: ValidationError | RequestValidationError, loc_prefix
 
 
 def install_handlers(app: FastAPI, on_error) -> None:
-    """on_error(request, status) is told about every error response (for request counting)."""
+    """on_error(request, status) is told about every error response (for request counting; 499 for a client
+    that left)."""
 
     async def api_error(request: Request, exc: APIError):
         on_error(request, exc.status)
         return error_response(request.url.path, exc)
+
+    async def client_gone(request: Request, exc: ClientGone):
+        on_error(request, 499)
+        return Response(status_code=499)  # nobody reads it; the request log shows it
 
     async def request_validation(request: Request, exc: RequestValidationError):
         return await api_error(request, validation_error(exc))
@@ -83,6 +93,7 @@ def install_handlers(app: FastAPI, on_error) -> None:
         return await api_error(request, APIError(500, "Internal server error"))
 
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(RequestValidationError, request_validation)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

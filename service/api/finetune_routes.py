@@ -10,9 +10,10 @@ from typing import Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.formparsers import MultiPartException, MultiPartParser
 
 from service.api.auth import require_api_key
-from service.api.body import read_json
+from service.api.body import limited_stream, read_json
 from service.api.engine_client import CallError
 from service.api.errors import APIError
 from service.api.generation import engine
@@ -23,7 +24,7 @@ UPLOAD_OVERHEAD = 64 << 10  # multipart framing around the file
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Hyperparameters(_Strict):
@@ -83,12 +84,14 @@ def _files_dir(request: Request) -> Path:
 @router.post("/files")
 async def create_file(request: Request):
     limit = request.app.state.settings.finetune_max_file_bytes
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit + UPLOAD_OVERHEAD:
-        raise APIError(413, f"the file is larger than {limit} bytes", param="file")
+    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        raise APIError(400, "expected a multipart/form-data body with `file` and `purpose`")
+    # Parsed as it streams in, so the limit holds for chunked uploads too (nothing past it is spooled to disk).
+    parser = MultiPartParser(request.headers, limited_stream(request, limit + UPLOAD_OVERHEAD, "the file"),
+                             max_files=1, max_fields=8)
     try:
-        form = await request.form(max_files=1, max_fields=8)
-    except Exception as e:  # starlette's MultiPartException and friends: a malformed body
+        form = await parser.parse()
+    except MultiPartException as e:  # a malformed body
         raise APIError(400, f"expected a multipart/form-data body with `file` and `purpose`: {e}") from None
     upload, purpose = form.get("file"), form.get("purpose")
     if upload is None or isinstance(upload, str):

@@ -60,6 +60,15 @@ def check_stop(stop: list[str], max_stop_sequences: int, param: str) -> None:
                        param=param, code="invalid_value")
 
 
+async def encode_prompt(client, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt's token ids; a text that cannot fit the context is refused before it is tokenized (a megabyte
+    of text takes the tokenizer about a second)."""
+    if not client.may_fit(text):
+        raise APIError(422, f"{param}: the prompt ({len(text)} characters) cannot fit the context of "
+                            f"{client.max_model_len} tokens", param=param, code="context_length_exceeded")
+    return await client.encode(text, add_special_tokens)
+
+
 def fit_context(prompt_tokens: int, max_new_tokens: int | None, default: int | None, max_model_len: int,
                 prompt_param: str, max_param: str) -> int:
     """The number of tokens to generate: as asked, else default, else whatever room the context leaves."""

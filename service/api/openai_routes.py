@@ -9,9 +9,19 @@ from service.api.auth import require_api_key
 from service.api.body import read_json
 from service.api.engine_client import EngineStepError, TokenOutput
 from service.api.errors import APIError
-from service.api.generation import EventStream, Generation, check_stop, engine, fit_context, json_bytes, sse
+from service.api.generation import (
+    EventStream,
+    Generation,
+    check_stop,
+    encode_prompt,
+    engine,
+    fit_context,
+    json_bytes,
+    sse,
+)
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
 from service.protocol import SamplingParams
+from service.text import ChatTemplateError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context's room
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop": "stop"}
@@ -122,7 +132,7 @@ def _completion_logprobs(call: _Call, outputs: list[TokenOutput], offset: int, w
 async def completions(request: Request):
     req = await read_json(request, CompletionRequest, request.app.state.settings.max_request_bytes)
     client = engine(request)
-    prompt_ids = await client.encode(req.prompt) if isinstance(req.prompt, str) else req.prompt
+    prompt_ids = await encode_prompt(client, req.prompt, "prompt") if isinstance(req.prompt, str) else req.prompt
     want_logprobs = req.logprobs is not None
     call = await _Call.submit(request, req, "completions", prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                               want_logprobs, req.logprobs or 0)
@@ -161,15 +171,16 @@ async def completions(request: Request):
 # -- /v1/chat/completions -----------------------------------------------------------------------------------
 
 async def _chat_prompt(req: ChatCompletionRequest, client) -> list[int]:
-    tokenizer = client.tokenizer
-    if not tokenizer.chat_template:
+    if not client.tokenizer.chat_template:
         raise APIError(422, "messages: this model has no chat template; use /v1/completions", param="messages")
     messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
+    if not client.may_fit("".join(m["content"] for m in messages)):
+        raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} tokens",
+                       param="messages", code="context_length_exceeded")
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # the template's own checks (e.g. roles must alternate) raise here
+        return await client.encode_chat(messages)
+    except ChatTemplateError as e:  # the template's own checks (roles must alternate, ...), or a forged turn
         raise APIError(422, f"messages: {e}", param="messages", code="invalid_value") from None
-    return await client.encode(text, add_special_tokens=False)
 
 
 def _chat_logprobs(call: _Call, outputs: list[TokenOutput]) -> dict:

@@ -59,7 +59,8 @@ Stop = Annotated[list[str] | None, BeforeValidator(_stop_strings)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: "5" is no integer and "yes" no boolean (a client sending them has a bug worth seeing)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # -- text-generation-inference ----------------------------------------------------------------------------

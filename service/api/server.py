@@ -1,23 +1,26 @@
 """An HTTP front-end process: uvicorn serving the app on the listening socket the launcher shares among all
 front-ends (the kernel spreads connections over them), attached to the one engine core."""
 import asyncio
+import resource
 import socket
 
 import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from service.api.app import create_app
 from service.config import Settings
 
-DRAIN_SECONDS = 30.0  # on SIGTERM: how long running requests may take to finish
+DESCRIPTOR_RESERVE = 64  # kept for the process's own files and sockets when connections are many
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn with the service's drain: on SIGTERM or SIGINT the engine client stops admitting and fails what
-    still runs after DRAIN_SECONDS, so every stream ends with an event of ours before uvicorn's own graceful
+    still runs after the drain time, so every stream ends with an event of ours before uvicorn's own graceful
     timeout (longer) would cut it."""
 
-    def __init__(self, config: uvicorn.Config):
+    def __init__(self, config: uvicorn.Config, drain_seconds: float):
         super().__init__(config)
+        self.drain_seconds = drain_seconds
         self.loop: asyncio.AbstractEventLoop | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -27,12 +30,67 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         client = self.config.app.state.engine
         if self.loop is not None and client is not None and not self.should_exit:
-            self.loop.call_soon_threadsafe(client.drain, DRAIN_SECONDS)  # we are in a signal handler
+            self.loop.call_soon_threadsafe(client.drain, self.drain_seconds)  # we are in a signal handler
         super().handle_exit(sig, frame)
 
 
+def guarded_http(header_timeout: float) -> type:
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request's headers, from the connection's opening or
+    its previous response. uvicorn has none: its keep-alive timer starts only after a response and any byte
+    cancels it, so a client that sends nothing, or a byte now and then (slowloris), held a connection and a
+    file descriptor forever."""
+
+    class GuardedHttp(HttpToolsProtocol):
+        deadline: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            self.deadline = self.loop.call_later(header_timeout, self._expire)
+
+        def _disarm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def _expire(self) -> None:
+            if not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return GuardedHttp
+
+
+def raise_descriptor_limit() -> int:
+    """Lifts the soft limit on open files to the hard one (often 1024 by default, far below what thousands of
+    streams need) and returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        soft = hard
+    return soft
+
+
 def serve(settings: Settings, engine_address: str, sock: socket.socket, name: str) -> None:
-    app = create_app(settings, engine_address, name)
+    descriptors = raise_descriptor_limit()
+    app = create_app(settings, engine_address, name,
+                     max_concurrent_requests=min(settings.max_concurrent_requests, descriptors - DESCRIPTOR_RESERVE))
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), access_log=False,
-                            timeout_graceful_shutdown=int(DRAIN_SECONDS) + 10)
-    DrainingServer(config).run(sockets=[sock])
+                            http=guarded_http(settings.header_timeout), timeout_keep_alive=settings.keep_alive_timeout,
+                            timeout_graceful_shutdown=int(settings.drain_seconds) + 10)
+    DrainingServer(config, settings.drain_seconds).run(sockets=[sock])

@@ -9,7 +9,16 @@ from service.api.auth import require_api_key
 from service.api.body import read_json
 from service.api.engine_client import EngineStepError, TokenOutput
 from service.api.errors import APIError
-from service.api.generation import EventStream, Generation, check_stop, engine, fit_context, json_bytes, sse
+from service.api.generation import (
+    EventStream,
+    Generation,
+    check_stop,
+    encode_prompt,
+    engine,
+    fit_context,
+    json_bytes,
+    sse,
+)
 from service.api.schemas import TGIParameters, TGIRequest
 from service.protocol import SamplingParams
 
@@ -46,7 +55,7 @@ async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Ge
     client = engine(request)
     p = body.parameters
     check_stop(p.stop or [], request.app.state.settings.max_stop_sequences, "parameters.stop")
-    prompt_ids = await client.encode(body.inputs)
+    prompt_ids = await encode_prompt(client, body.inputs, "inputs")
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]
     max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, client.max_model_len,

@@ -27,6 +27,7 @@ from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams
 from service.text import load_tokenizer
 
 log = logging.getLogger(__name__)
+STEP_FAILED = "the engine failed to compute this request's step (the server's log has the details)"
 
 
 class RequestRejected(ValueError):
@@ -254,12 +255,12 @@ class LLMEngine:
         return outputs
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
-        log.error("engine step failed", exc_info=error)
-        message = f"engine step failed: {type(error).__name__}: {error}"
         failed = [s for s in seqs if s.status != Status.FINISHED]
+        # The details are for the operator: clients learn that their step failed, not the engine's internals.
+        log.error("engine step failed for requests %s", [s.request_id for s in failed], exc_info=error)
         for seq in failed:
             self.abort(seq.request_id)
-        return [RequestOutput(seq.request_id, error=message) for seq in failed]
+        return [RequestOutput(seq.request_id, error=STEP_FAILED) for seq in failed]
 
     def healthy(self) -> bool:
         """False once the device itself failed (a CUDA error poisons the context: only a new process recovers)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 from service import strict_json
+from service.text import encode_chat
 
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -102,9 +103,8 @@ def _tokenize_chat(messages: list[dict], tokenizer) -> Example:
     if tokenizer.chat_template is None:
         raise ValueError("the model's tokenizer has no chat template; use prompt/completion or text records")
 
-    def encode(turns, generation_prompt):
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
-        return tokenizer.encode(text, add_special_tokens=False)
+    def encode(turns, generation_prompt):  # as the chat route encodes a conversation
+        return encode_chat(tokenizer, turns, add_generation_prompt=generation_prompt)
 
     ids = encode(messages, False)
     mask = [False] * len(ids)
