@@ -6,12 +6,14 @@ Each user sends requests drawn from a mix of workloads (short chat, long-prompt 
 generation); every prompt starts with the same instructions, as behind a deployed assistant, so the prefix
 cache has something to find. Streaming users also report time to first token and every inter-token gap as
 request types "TTFT" and "ITL" (named after the endpoint), so they get their own rows, percentiles and CSV lines.
-A stream counts as failed on a non-200 status, an error event, or a missing final event.
+A stream counts as failed on a non-200 status, an error event, or a missing final event. Requests are sized to
+the served model: each user reads the context length from GET /info, and prompts and outputs are capped so they
+always fit it (the caps below can only lower them).
 
 Environment:
     LOADTEST_MIX               workload weights, e.g. "chat:6,summarise:2,long_generation:2" (default)
     LOADTEST_MAX_NEW_TOKENS    cap on max_new_tokens of every request (e.g. 8 for a quick CPU run)
-    LOADTEST_MAX_PROMPT_WORDS  cap on the words after the shared instructions (keep prompts inside the context)
+    LOADTEST_MAX_PROMPT_WORDS  cap on the words after the shared instructions
     LOADTEST_HEALTH_TIMEOUT    seconds to wait for GET /health before starting (default 60)
 """
 import json
@@ -61,8 +63,15 @@ MAX_PROMPT_WORDS_CAP = int(os.environ.get("LOADTEST_MAX_PROMPT_WORDS", "0")) or 
 HEALTH_TIMEOUT = float(os.environ.get("LOADTEST_HEALTH_TIMEOUT", "60"))
 
 
-def sample_request(rng: random.Random) -> tuple[str, int]:
-    """A prompt (the shared instructions, then random words) and a max_new_tokens from the workload mix."""
+# Upper bounds of the prompt's token count, whatever the tokenizer: no word of WORDS takes more than 4 tokens (the
+# embedded model's, the worst seen), nor the instructions more than 64 (49 there), nor a chat template more than
+# 32 around them.
+TOKENS_PER_WORD, INSTRUCTION_TOKENS, TEMPLATE_TOKENS = 4, 64, 32
+
+
+def sample_request(rng: random.Random, context_tokens: int | None = None) -> tuple[str, int]:
+    """A prompt (the shared instructions, then random words) and a max_new_tokens from the workload mix, fitted
+    into context_tokens when given."""
     workload = WORKLOADS[rng.choices(list(MIX), weights=list(MIX.values()))[0]]
     n_words = rng.randint(*workload.prompt_words)
     if MAX_PROMPT_WORDS_CAP:
@@ -70,6 +79,10 @@ def sample_request(rng: random.Random) -> tuple[str, int]:
     max_new_tokens = rng.randint(*workload.max_new_tokens)
     if MAX_NEW_TOKENS_CAP:
         max_new_tokens = min(max_new_tokens, MAX_NEW_TOKENS_CAP)
+    if context_tokens:
+        max_new_tokens = min(max_new_tokens, context_tokens // 4)
+        room = context_tokens - max_new_tokens - INSTRUCTION_TOKENS - TEMPLATE_TOKENS
+        n_words = max(1, min(n_words, room // TOKENS_PER_WORD))
     return INSTRUCTIONS + " " + " ".join(rng.choices(WORDS, k=n_words)), max_new_tokens
 
 
@@ -104,6 +117,10 @@ class _LLMUser(HttpUser):
 
     def on_start(self):
         self.rng = random.Random()
+        self.context_tokens = self.client.get("/info").json()["max_total_tokens"]
+
+    def sample(self) -> tuple[str, int]:
+        return sample_request(self.rng, self.context_tokens)
 
     def _stream(self, path: str, body: dict, is_final):
         """POSTs a streaming request; reports TTFT, each ITL, and the whole stream as one request."""
@@ -158,7 +175,7 @@ class GenerateUser(_LLMUser):
 
     @task
     def generate(self):
-        prompt, max_new_tokens = sample_request(self.rng)
+        prompt, max_new_tokens = self.sample()
         body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
         with self.client.post("/generate", json=body, catch_response=True) as response:
             if response.status_code != 200:
@@ -172,7 +189,7 @@ class GenerateStreamUser(_LLMUser):
 
     @task
     def generate_stream(self):
-        prompt, max_new_tokens = sample_request(self.rng)
+        prompt, max_new_tokens = self.sample()
         body = {"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}
         self._stream("/generate_stream", body, is_final=lambda event: event.get("generated_text") is not None)
 
@@ -186,7 +203,7 @@ class ChatStreamUser(_LLMUser):
 
     @task
     def chat(self):
-        prompt, max_new_tokens = sample_request(self.rng)
+        prompt, max_new_tokens = self.sample()
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": max_new_tokens, "stream": True}
         self._stream("/v1/chat/completions", body, is_final=lambda event: False)

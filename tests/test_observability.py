@@ -238,6 +238,25 @@ def observed(tmp_path_factory):
         yield base, stats, output
 
 
+def test_the_shipped_load_test_passes_against_the_embedded_model(tmp_path):
+    """The README's locust command, unchanged (no LOADTEST_* caps), against the embedded model's 2048-token
+    context: every request fits and none fails."""
+    from server import serve
+
+    with serve() as url:
+        run = subprocess.run([sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"),
+                              "--headless", "-u", "8", "-r", "4", "-t", "30s", "--host", url,
+                              "--csv", str(tmp_path / "locust"), "--only-summary"],
+                             env={k: v for k, v in os.environ.items() if not k.startswith("LOADTEST_")},
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        with open(tmp_path / "locust_stats.csv") as f:
+            rows = list(csv.DictReader(f))
+    output = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, output
+    assert sum(int(r["Failure Count"]) for r in rows) == 0, output
+    assert sum(int(r["Request Count"]) for r in rows if r["Type"] == "POST") > 0
+
+
 def test_load_test_has_no_failures(observed):
     _, stats, output = observed
     by_type_name = {(row["Type"], row["Name"]): row for row in stats}

@@ -5,6 +5,7 @@ import asyncio
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -126,4 +127,27 @@ def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(signum):
                 service.process.send_signal(signum)
             rest = [json.loads(e) for e in events]
         assert first["index"] == 0 and rest[-1]["details"]["generated_tokens"] == 48  # finished, not cut
+        assert service.process.wait(timeout=30) == 0
+
+
+def test_requests_outlasting_the_drain_end_with_an_error_of_ours_not_a_cut():
+    with service_process(drain_seconds=1) as service:
+        results = {}
+
+        def whole():
+            r = httpx.post(f"{service.url}/generate", json=LONG, timeout=60)
+            results["whole"] = (r.status_code, r.headers.get("content-type"), r.text)
+
+        thread = threading.Thread(target=whole)
+        with httpx.stream("POST", f"{service.url}/generate_stream", json=LONG, timeout=60) as r:
+            events = sse_events(r)
+            first = json.loads(next(events))
+            thread.start()
+            time.sleep(0.5)
+            service.process.send_signal(signal.SIGTERM)
+            rest = [json.loads(e) for e in events]
+        thread.join(30)
+        assert first["index"] == 0 and rest[-1]["error_type"] == "generation" and "shut down" in rest[-1]["error"]
+        status, content_type, text = results["whole"]
+        assert status == 500 and content_type == "application/json" and "shut down" in json.loads(text)["error"]
         assert service.process.wait(timeout=30) == 0
