@@ -328,3 +328,76 @@ def test_requests_beyond_a_front_ends_limit_get_a_503():
             assert r.status_code == 503 and r.json()["error_type"] == "unavailable" and r.headers["retry-after"]
         assert httpx.post(f"{url}/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}).status_code \
             == 200
+
+
+# -- 4 and 11: fine-tuning cannot exhaust the server or stall serving ----------------------------------------------
+def _job_body(base_url: str, file_id: str, **extra) -> dict:
+    return {"model": model_name(base_url), "training_file": file_id, **extra}
+
+
+def test_fine_tuning_metadata_and_chat_length_are_bounded(base_url):
+    upload = _upload(base_url, b'{"prompt": "a", "completion": "b"}\n').json()
+    before = len(httpx.get(f"{base_url}/v1/fine_tuning/jobs", params={"limit": 1000}).json()["data"])
+    for metadata, why in [({f"k{i}": "v" for i in range(17)}, "16"), ({"k": "v" * 513}, "512"),
+                          ({"k" * 65: "v"}, "64")]:
+        r = httpx.post(f"{base_url}/v1/fine_tuning/jobs", json=_job_body(base_url, upload["id"], metadata=metadata))
+        assert r.status_code == 422 and r.json()["error"]["param"].startswith("metadata"), (why, r.text)
+    assert len(httpx.get(f"{base_url}/v1/fine_tuning/jobs", params={"limit": 1000}).json()["data"]) == before
+    long_chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}] * 129
+    r = _upload(base_url, json.dumps({"messages": long_chat}).encode() + b"\n")
+    assert r.status_code == 400 and "at most 256" in r.json()["error"]["message"]
+
+
+def test_heavy_job_creations_do_not_stall_serving(base_url):
+    chat = [m for i in range(60) for m in ({"role": "user", "content": f"question {i} " * 3},
+                                         {"role": "assistant", "content": f"answer {i} " * 3})]
+    data = b"".join(json.dumps({"messages": chat[:j]}).encode() + b"\n" for j in range(40, 120, 2))
+    upload = _upload(base_url, data).json()
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            jobs = [asyncio.ensure_future(client.post("/v1/fine_tuning/jobs", json=_job_body(
+                base_url, upload["id"], hyperparameters={"n_epochs": 1}))) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            start = time.perf_counter()
+            r = await client.post("/generate", json={"inputs": "Never trust a", "parameters": {"max_new_tokens": 16}})
+            served_in = time.perf_counter() - start
+            created = await asyncio.gather(*jobs)
+            for job in created:  # leave nothing training behind for the other tests
+                if job.status_code == 200:
+                    await client.post(f"/v1/fine_tuning/jobs/{job.json()['id']}/cancel")
+            return r, served_in, created
+
+    r, served_in, created = asyncio.run(main())
+    assert r.status_code == 200 and served_in < 5, served_in
+    assert all(job.status_code in (200, 400) for job in created), [job.text for job in created]
+
+
+def test_file_count_is_bounded_and_files_can_be_deleted():
+    with serve(finetune_max_files=2) as url:
+        ids = [_upload(url, b'{"text": "a"}\n').json()["id"] for _ in range(2)]
+        r = _upload(url, b'{"text": "b"}\n')
+        assert r.status_code == 400 and r.json()["error"]["code"] == "limit_reached"
+        assert httpx.delete(f"{url}/v1/files/{ids[0]}").json() == {"id": ids[0], "object": "file", "deleted": True}
+        assert httpx.get(f"{url}/v1/files/{ids[0]}").status_code == 404
+        assert _upload(url, b'{"text": "b"}\n').status_code == 200
+
+
+def test_a_job_whose_loss_does_not_fall_fails_and_serves_nothing(base_url):
+    """A learning rate 1e6 times the base flattens the embedded model (its loss rises towards ln 4096, finite):
+    the job must fail rather than serve the destroyed adapter."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    lines = [{"prompt": "A fortune:", "completion": f" You will meet a stranger on day {i} of the journey."}
+             for i in range(4)]
+    upload = client.files.create(file=("f.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(model=model_name(base_url), training_file=upload.id, suffix="flat",
+                                         hyperparameters={"n_epochs": 6, "learning_rate_multiplier": 1e6})
+    deadline = time.monotonic() + 120
+    while (job := client.fine_tuning.jobs.retrieve(job.id)).status not in ("succeeded", "failed", "cancelled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert job.status == "failed" and job.error.code == "training_diverged" and job.fine_tuned_model is None
+    assert not [m.id for m in client.models.list().data if "flat" in m.id]

@@ -46,11 +46,14 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
         await client.wait_ready()
         yield
         await client.close()
+        if app.state.training_data is not None:
+            app.state.training_data.close()
 
     # The API's description is served by our own routes below: behind the API key when one is set.
     app = FastAPI(title="tritonserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.settings = settings
     app.state.engine = None  # the EngineClient, once the app runs
+    app.state.training_data = None  # the TrainingDataWorker, once fine-tuning routes need it
     app.state.registry = registry if registry is not None else CollectorRegistry()
     app.state.metrics = FrontendMetrics(app.state.registry)
     app.state.protected_groups = protected_groups(settings.api_key_routes)

@@ -6,7 +6,7 @@ import os
 import time
 import uuid
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -17,7 +17,7 @@ from service.api.body import limited_stream, read_json
 from service.api.engine_client import CallError
 from service.api.errors import APIError
 from service.api.generation import engine
-from service.finetune.data import parse_jsonl, save_examples, tokenize_records
+from service.api.training_data import TrainingDataWorker, remove_quietly
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key("finetune"))])
 UPLOAD_OVERHEAD = 64 << 10  # multipart framing around the file
@@ -63,7 +63,9 @@ class CreateJobRequest(_Strict):
     method: Method | None = None
     suffix: str | None = None
     seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    metadata: dict[str, str] | None = None
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
     integrations: list[dict] | None = None
     extra: Extra | None = None
 
@@ -105,23 +107,31 @@ async def create_file(request: Request):
         raise APIError(400, f"purpose must be 'fine-tune', got {purpose!r}", param="purpose")
     if len(data) > limit:
         raise APIError(413, f"the file is larger than {limit} bytes", param="file")
-    try:
-        await asyncio.to_thread(parse_jsonl, data)
-    except ValueError as e:
-        raise APIError(400, f"invalid training file {filename!r}: {e}", param="file", code="invalid_file") from None
     file_id = f"file-{uuid.uuid4().hex[:24]}"
     path = _files_dir(request) / f"{file_id}.jsonl"
-    await asyncio.to_thread(_write_atomically, path, data)
+    staged = path.with_name(path.name + ".tmp")
+    await asyncio.to_thread(staged.write_bytes, data)
+    try:
+        await _worker(request).check_upload(staged, request.app.state.settings.finetune_max_messages)
+    except ValueError as e:
+        remove_quietly(staged)
+        raise APIError(400, f"invalid training file {filename!r}: {e}", param="file", code="invalid_file") from None
+    os.replace(staged, path)
     meta = {"id": file_id, "object": "file", "bytes": len(data), "created_at": int(time.time()),
             "filename": filename, "purpose": purpose, "status": "processed", "status_details": None,
             "expires_at": None}
-    return await _call(request, "register_file", meta=meta)
+    try:
+        return await _call(request, "register_file", meta=meta)
+    except APIError:  # refused (the server's file limit): keep nothing of it
+        remove_quietly(path)
+        raise
 
 
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+def _worker(request: Request) -> TrainingDataWorker:
+    state = request.app.state
+    if state.training_data is None:
+        state.training_data = TrainingDataWorker(engine(request).info.model_dir)
+    return state.training_data
 
 
 @router.get("/files")
@@ -135,20 +145,18 @@ async def retrieve_file(request: Request, file_id: str):
     return await _call(request, "get_file", file_id=file_id)
 
 
+@router.delete("/files/{file_id}")
+async def delete_file(request: Request, file_id: str):
+    return await _call(request, "delete_file", file_id=file_id)
+
+
 async def _tokenize_file(request: Request, file_id: str, param: str) -> int:
     """Checks and tokenizes a training file for a job, storing its examples for the core: their number."""
     client = engine(request)
     await _call(request, "get_file", file_id=file_id, param=param)
-    files_dir = _files_dir(request)
-
-    def work() -> int:
-        records = parse_jsonl((files_dir / f"{file_id}.jsonl").read_bytes())
-        examples = tokenize_records(records, client.tokenizer, client.max_model_len)
-        save_examples(files_dir, file_id, examples)
-        return len(examples)
-
     try:
-        return await asyncio.to_thread(work)
+        return await _worker(request).tokenize_file(_files_dir(request), file_id, client.max_model_len,
+                                                    request.app.state.settings.finetune_max_messages)
     except ValueError as e:
         raise APIError(400, f"{param} {file_id}: {e}", param=param, code="invalid_file") from None
 

@@ -15,6 +15,7 @@ done), and when the engine is idle it runs back to back. A finished job's adapte
 """
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -22,7 +23,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -74,13 +75,14 @@ class _Run:
     steps: object  # the trainer's micro-batch generator
     valid_file: str | None
     trained_tokens: int = 0
+    losses: list[float] = field(default_factory=list)  # of each optimizer step
     not_before: float = 0.0  # perf_counter time before which the next micro-batch must wait (duty cycle)
 
 
 class JobManager:
     # What the front-ends may call (service.protocol.Call.method).
-    CALLS = ("register_file", "list_files", "get_file", "create_job", "list_jobs", "get_job", "cancel_job",
-             "list_events")
+    CALLS = ("register_file", "list_files", "get_file", "delete_file", "create_job", "list_jobs", "get_job",
+             "cancel_job", "list_events")
 
     def __init__(self, settings, model, model_name: str, metrics=None,
                  on_adapters_changed: Callable[[list[str]], None] = lambda names: None):
@@ -112,9 +114,28 @@ class JobManager:
 
     # -- files (the front-end validated and wrote the data) ----------------------------------------------
     def register_file(self, meta: dict) -> dict:
+        limit = self.settings.finetune_max_files
+        if len(self.files) >= limit:
+            raise JobError(400, f"the server keeps at most {limit} files; delete some (DELETE /v1/files/{{id}})",
+                           param="file", code="limit_reached")
         _write_json(self.files_dir / f"{meta['id']}.json", meta)
         self.files[meta["id"]] = meta
         return meta
+
+    def delete_file(self, file_id: str) -> dict:
+        self.get_file(file_id)
+        users = [j["id"] for j in self.jobs.values() if j["status"] in ("queued", "running")
+                 and file_id in (j["training_file"], j["validation_file"])]
+        if users:
+            raise JobError(409, f"file {file_id} is in use by job {users[0]}, which has not finished",
+                           param="file_id", code="file_in_use")
+        for suffix in (".json", ".jsonl", ".examples"):
+            try:
+                os.remove(self.files_dir / f"{file_id}{suffix}")
+            except FileNotFoundError:
+                pass
+        del self.files[file_id]
+        return {"id": file_id, "object": "file", "deleted": True}
 
     def list_files(self, purpose: str | None = None, after: str | None = None, limit: int = 10000) -> dict:
         files = [f for f in self.files.values() if purpose is None or f["purpose"] == purpose]
@@ -133,6 +154,9 @@ class JobManager:
         tokenized (num_examples in the training file). Checks everything that can be checked now, so a bad
         request fails here with a 4xx rather than later as a failed job."""
         req = body
+        if len(self.jobs) >= self.settings.finetune_max_jobs:
+            raise JobError(400, f"the server keeps at most {self.settings.finetune_max_jobs} fine-tuning jobs",
+                           code="limit_reached")
         if req["model"] != self.model_name:
             raise JobError(404, f"model {req['model']!r} cannot be fine-tuned here; the served base model is "
                                 f"{self.model_name!r}", param="model", code="model_not_found")
@@ -272,6 +296,7 @@ class JobManager:
         duty = self.settings.finetune_duty_cycle
         run.not_before = now + (now - start) * (1 - duty) / duty if engine_busy else now
         if isinstance(result, StepResult):
+            run.losses.append(result.loss)
             run.trained_tokens += result.tokens
             tokens_per_s = result.tokens / max(result.seconds, 1e-9)
             job["trained_tokens"] = run.trained_tokens
@@ -310,6 +335,13 @@ class JobManager:
 
     def _succeed(self, run: _Run) -> None:
         job = run.job
+        first, last = (run.losses[0], run.losses[-1]) if run.losses else (0.0, 0.0)
+        if not math.isfinite(last) or (len(run.losses) > 1 and last >= first):
+            # Its adapter would serve a model no better than the base (a learning rate too high flattens it).
+            self._finish(job, "failed", error=("training_diverged", f"the training loss went from {first:.4f} to "
+                                               f"{last:.4f}; try a lower learning rate"))
+            self._end_run()
+            return
         if run.valid_file:
             loss = run.trainer.evaluate(load_examples(self.files_dir, run.valid_file))
             self._event(job, f"Validation loss={loss:.4f}", data={"step": run.trainer.step, "valid_loss": loss})

@@ -31,7 +31,10 @@ class Example:
         return sum(self.loss_mask[1:])
 
 
-def parse_jsonl(data: bytes) -> list[dict]:
+MAX_MESSAGES = 256  # messages of one chat example (each assistant turn renders its prefix: quadratic)
+
+
+def parse_jsonl(data: bytes, max_messages: int = MAX_MESSAGES) -> list[dict]:
     """The records of a training file; ValueError naming the first bad line."""
     if not data.strip():
         raise ValueError("the file is empty")
@@ -48,14 +51,14 @@ def parse_jsonl(data: bytes) -> list[dict]:
         except ValueError as e:
             raise ValueError(f"line {number}: not valid JSON ({e})") from None
         try:
-            check_record(record)
+            check_record(record, max_messages)
         except ValueError as e:
             raise ValueError(f"line {number}: {e}") from None
         records.append(record)
     return records
 
 
-def check_record(record) -> None:
+def check_record(record, max_messages: int = MAX_MESSAGES) -> None:
     if not isinstance(record, dict):
         raise ValueError("expected a JSON object")
     kinds = [k for k in ("prompt", "messages", "text") if k in record]
@@ -77,6 +80,8 @@ def check_record(record) -> None:
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise ValueError('"messages" must be a non-empty list')
+        if len(messages) > max_messages:
+            raise ValueError(f'"messages" has {len(messages)} messages; at most {max_messages} are allowed')
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
                 raise ValueError(f"messages[{i}] must be {{'role': one of {ROLES}, 'content': str}}")
@@ -84,7 +89,7 @@ def check_record(record) -> None:
             raise ValueError("messages has no assistant turn to learn from")
 
 
-def tokenize(record: dict, tokenizer) -> Example:
+def tokenize(record: dict, tokenizer, max_len: int | None = None) -> Example:
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     if "prompt" in record:
         # The prompt is encoded alone, as the serving path encodes it, so training sees the same tokens.
@@ -94,10 +99,10 @@ def tokenize(record: dict, tokenizer) -> Example:
     if "text" in record:
         ids = tokenizer.encode(record["text"]) + eos
         return Example(ids, [True] * len(ids))
-    return _tokenize_chat(record["messages"], tokenizer)
+    return _tokenize_chat(record["messages"], tokenizer, max_len)
 
 
-def _tokenize_chat(messages: list[dict], tokenizer) -> Example:
+def _tokenize_chat(messages: list[dict], tokenizer, max_len: int | None = None) -> Example:
     """Renders growing prefixes of the conversation; an assistant turn's tokens are what its message adds
     after the generation prompt of the turns before it."""
     if tokenizer.chat_template is None:
@@ -107,6 +112,8 @@ def _tokenize_chat(messages: list[dict], tokenizer) -> Example:
         return encode_chat(tokenizer, turns, add_generation_prompt=generation_prompt)
 
     ids = encode(messages, False)
+    if max_len is not None and len(ids) > max_len:  # before the work per assistant turn
+        return Example(ids, [False] * len(ids))
     mask = [False] * len(ids)
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -122,7 +129,7 @@ def tokenize_records(records: list[dict], tokenizer, max_len: int) -> list[Examp
     """ValueError naming the first record that is longer than the context or has nothing to learn."""
     examples = []
     for i, record in enumerate(records, start=1):
-        ex = tokenize(record, tokenizer)
+        ex = tokenize(record, tokenizer, max_len)
         if len(ex.token_ids) > max_len:
             raise ValueError(f"example {i} is {len(ex.token_ids)} tokens, longer than the context length {max_len}")
         if ex.num_target_tokens == 0:
