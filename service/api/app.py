@@ -17,6 +17,7 @@ from service.api.auth import protected_groups, require_any_api_key, require_api_
 from service.api.engine_client import EngineClient
 from service.api.errors import RETRY_AFTER_SECONDS, APIError, error_response, install_handlers
 from service.api.generation import engine
+from service.api.openapi import openapi_schema
 from service.config import Settings
 from service.metrics import FrontendMetrics, exposition
 
@@ -73,11 +74,13 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
     app.include_router(openai_routes.router)
     app.include_router(finetune_routes.router)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health(request: Request):
         client = request.app.state.engine
         ready = client is not None and client.ready and client.accepting
         return JSONResponse({"status": "ok" if ready else "unavailable"}, status_code=200 if ready else 503)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # load balancers' probes
 
     @app.get("/info")
     async def info(request: Request):
@@ -92,7 +95,9 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_any_api_key)])
     async def openapi():
-        return JSONResponse(app.openapi())
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_schema(app)
+        return JSONResponse(app.openapi_schema)
 
     @app.get("/docs", include_in_schema=False, dependencies=[Depends(require_any_api_key)])
     async def docs():

@@ -28,9 +28,10 @@ class _Strict(BaseModel):
 
 
 class Hyperparameters(_Strict):
-    n_epochs: Literal["auto"] | int | None = Field(None, ge=1, le=100)
-    batch_size: Literal["auto"] | int | None = Field(None, ge=1, le=256)
-    learning_rate_multiplier: Literal["auto"] | float | None = Field(None, gt=0, allow_inf_nan=False)
+    # The bounds belong to the numbers: on the whole union they would compare "auto" with a number.
+    n_epochs: Literal["auto"] | Annotated[int, Field(ge=1, le=100)] | None = None
+    batch_size: Literal["auto"] | Annotated[int, Field(ge=1, le=256)] | None = None
+    learning_rate_multiplier: Literal["auto"] | Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
 class Supervised(_Strict):
