@@ -6,7 +6,6 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import CHECKS
-
 from server import serve
 
 CHECK_NAMES = ["not_a_server_error", "status_code_conformance", "content_type_conformance",
