@@ -1,7 +1,8 @@
 """Where an engine step's host time goes. Prefill (the time to first token): an eager step's wall time against
-its GPU time, the host time of one call of our varlen attention, and the host ops that cost most
-(torch.profiler). Decode: the wall time of overlapped steps at a few batch sizes and the Python functions that
-cost most (cProfile), to set against the decode graph's GPU time.
+its GPU time, the host time of one call of our varlen attention, the host ops that cost most (torch.profiler),
+and the engine's own time to first token (add_request to the first sampled token, prefill graphs included) with
+where its host time goes. Decode: the wall time of overlapped steps at a few batch sizes and the Python functions
+that cost most (cProfile), to set against the decode graph's GPU time.
 
 python benchmarks/step_profile.py [--tokens 128] [--out DIR]
 
@@ -84,6 +85,7 @@ def main():
     result = {"gpu": torch.cuda.get_device_name(), "tokens": n, "layers": model.config.num_hidden_layers,
               "step_wall_ms": wall, "step_gpu_ms": gpu_ms, "attention_call_host_us": attention_host_us,
               "attention_call_wall_ms": attention_ms}
+    result |= engine_ttft(llm, n)
     decode = {batch: decode_profile(llm, batch) for batch in (1, 64, 256)}
     print(table)
     for batch, d in decode.items():
@@ -94,6 +96,32 @@ def main():
     (args.out / "step_profile.json").write_text(json.dumps(
         {**result, "prefill_profile": table, "decode_profiles": {b: d["profile"] for b, d in decode.items()}},
         indent=1))
+
+
+def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:
+    """The engine's share of the time to first token: add_request of a fresh prompt (no prefix hit) on an idle
+    engine, stepped until its first token, median over requests; and where that host time goes (cProfile)."""
+    engine, params = llm.engine, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    times, profile = [], cProfile.Profile()
+    for i in range(requests):
+        prompt = torch.randint(3, engine.model.config.vocab_size, (tokens,), generator=g).tolist()
+        torch.cuda.synchronize()
+        if i >= requests // 2:
+            profile.enable()
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{i}", prompt, params)
+        while not any(out.request_id == f"ttft-{i}" for out in engine.step()[0]):
+            pass
+        times.append(time.perf_counter() - start)
+        profile.disable()
+        while engine.has_work:
+            engine.step()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    print(f"engine TTFT ({tokens}-token prompt): {1e3 * sorted(times)[len(times) // 2]:.2f} ms\n{text.getvalue()}")
+    return {"engine_ttft_ms": 1e3 * sorted(times)[len(times) // 2], "prefill_graphs": len(engine.runner.prefill_graphs),
+            "engine_ttft_profile": text.getvalue()[-3500:]}
 
 
 def decode_profile(llm, batch: int, steps: int = 200) -> dict:

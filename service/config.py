@@ -26,6 +26,8 @@ class Settings(BaseSettings):
     max_num_batched_tokens: int = Field(8192, description="token budget of one step (prefill chunks + decodes)")
     enable_prefix_caching: bool = True
     cuda_graphs: bool = True
+    cuda_graph_max_prefill_tokens: int = Field(2048, ge=0, description="prefill and mixed steps of up to this many "
+                                               "tokens replay CUDA graphs too (0: they run eagerly)")
     async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
                                           "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="Triton and torch.compile caches, kept "

@@ -68,6 +68,9 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
 
 def frontend_main(settings: Settings, address: str, sock: socket.socket, index: int) -> None:
     _become(f"llm-api-{index}", settings.log_level)
+    # The tokenizer's library takes seconds to import: pay that while the engine core loads, not after it.
+    import transformers  # noqa: F401
+
     from service.api.server import serve
 
     serve(settings, address, sock, f"api-{index}-{os.getpid()}")

@@ -290,13 +290,18 @@ def test_default_model_is_trained_and_generates():
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(model_dir, prompts):
+def test_cuda_graphs_match_eager(model_dir, prompts):
+    """Decode graphs, and prefill graphs for prefill and mixed steps (prefix hits, padding tokens and sequences)."""
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
         llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
-                  max_num_seqs=64)
-        assert bool(llm.engine.runner.graphs) == graphs
+                  max_num_seqs=64, max_num_batched_tokens=512)
+        runner = llm.engine.runner
+        assert bool(runner.graphs) == bool(runner.prefill_graphs) == graphs
+        replays, replay = [], runner._replay_prefill
+        runner._replay_prefill = lambda key, *args: replays.append(key) or replay(key, *args)
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert bool(replays) == graphs
         assert_no_leaks(llm)
     assert outs[True] == outs[False]

@@ -186,3 +186,17 @@ def test_gpu_bf16_varlen_gqa_mixed_lengths(causal):
 @pytest.mark.gpu
 def test_gpu_paged_prefix():
     test_paged_kv_matches_contiguous("cuda", 16)
+
+
+@pytest.mark.gpu
+def test_gpu_autotuning_results_survive_a_restart(tmp_path):
+    from kernels import tuning
+    from kernels.prefill import _prefill_kernel
+
+    test_gpu_bf16_varlen_gqa_mixed_lengths(True)  # tunes at least one key
+    tuned = dict(_prefill_kernel.cache)
+    assert tuned
+    tuning.save(tmp_path)
+    _prefill_kernel.cache.clear()
+    assert tuning.load(tmp_path) == len(tuned) and _prefill_kernel.cache == tuned
+    assert tuning.load(tmp_path / "elsewhere") == 0

@@ -85,8 +85,12 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, s.block_size, self.max_model_len, s.max_num_seqs,
-                                  s.max_num_batched_tokens)
+                                  s.max_num_batched_tokens, s.cuda_graph_max_prefill_tokens)
         shape = (cfg.num_hidden_layers, s.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
+        tuning_dir = Path(s.compile_cache_dir).expanduser()
+        if self.device.type == "cuda":
+            from kernels import tuning
+            log.info("autotuning results from earlier starts: %d", tuning.load(tuning_dir))
         if s.num_kv_blocks is not None:
             num_blocks = s.num_kv_blocks
         elif self.device.type == "cuda":
@@ -95,6 +99,8 @@ class LLMEngine:
         else:
             num_blocks = num_blocks_for_bytes(s.cpu_kv_cache_bytes, *shape)
         kv_cache = self.runner.allocate_kv_cache(num_blocks, s.cuda_graphs)
+        if self.device.type == "cuda":
+            tuning.save(tuning_dir)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, s.block_size, kv_cache.nbytes / 2**20)
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
                                    s.max_num_batched_tokens, self.max_model_len)

@@ -1,6 +1,11 @@
 """The runner owns the forward pass's inputs and the KV-cache tensors: it turns a scheduled batch into tensors
-(one builder for steps, warm-up, memory profiling and graph capture), then runs the model eagerly, or replays a
-captured CUDA graph for pure-decode steps, and returns the logits of the rows to sample. Engine-core process.
+(one builder for steps, warm-up, memory profiling and graph capture), then replays a captured CUDA graph or runs
+the model eagerly, and returns the logits of the rows to sample. Engine-core process.
+
+A small model's step is bound by the host launching ~1,000 kernels, not by the GPU (a 128-token prefill: 30 ms
+eager, 3 ms of GPU time), so both kinds of step replay graphs: pure-decode steps one per batch size, and prefill
+or mixed steps one per (token count, sequence count) bucket, whose padding tokens write no cache slot and whose
+padding sequences are empty (the varlen kernel's programs for them return at once).
 
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
@@ -17,10 +22,13 @@ from service.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 
 
 class ModelRunner:
-    def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_prefill_graph_tokens: int = 0):
         self.model = model
         self.cfg = model.config
         self.block_size = block_size
@@ -31,7 +39,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_cache: KVCache | None = None
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.max_prefill_graph_tokens = min(max_prefill_graph_tokens, max_num_batched_tokens)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
+        self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -90,14 +100,22 @@ class ModelRunner:
                 sample_index.append(i)
         decode = len(input_ids) == len(batch.seqs)
         adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
-        graph_bs = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
-        if decode and graph_bs is not None and not any(adapters):
-            logits = self._replay(graph_bs, batch, input_ids, fill_rows, from_rows, pending)
-            return logits[sample_rows], sample_index
+        if not any(adapters):  # LoRA runs through hooks, never in a graph
+            graph_bs = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
+            if decode and graph_bs is not None:
+                # A decode step samples every row. (Indexing with a host list would copy it to the device with
+                # a blocking copy, which waits for the step in flight: no overlap.)
+                return self._replay(graph_bs, batch, input_ids, fill_rows, from_rows, pending)[:len(sample_rows)], \
+                    sample_index
+            key = next((k for k in self.prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
+            if not decode and key is not None:
+                hidden = self._replay_prefill(key, input_ids, seqlens_q, seqlens_k, batch.block_tables, fill_rows,
+                                              from_rows, pending)
+                return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
         ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables)
         if fill_rows:
             ids[self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
-        if any(adapters):  # LoRA on the rows of the sequences that asked for one (hooks, so never in a graph)
+        if any(adapters):  # LoRA on the rows of the sequences that asked for one
             from service.model.lora import serving_adapters
             with serving_adapters(self.model, adapters, self.device):
                 hidden = self.model(ids, positions, meta)
@@ -165,39 +183,80 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         log.info("warmed up prefill for query lengths %s", lengths)
 
-    # -- CUDA graphs for decode --------------------------------------------------------------------------
+    # -- CUDA graphs ---------------------------------------------------------------------------------------
     def _capture_graphs(self):
+        """Decode graphs, then prefill graphs, largest first in one memory pool so that it fits them all. Each
+        forward runs once before its capture: the kernels compile and the allocations settle outside it (the
+        prefill kernel's tiles were tuned by _warm_up_prefill for every token bucket)."""
+        self._pool = None
+        self._capture_decode_graphs()
+        self._capture_prefill_graphs()
+
+    def _capture(self, forward, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        with torch.inference_mode():
+            if warm_up:
+                forward()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = forward()
+            self._pool = graph.pool() if self._pool is None else self._pool
+            graph.replay()  # the first replay uploads the graph: pay for it here, not in a request
+        return graph, out
+
+    def _capture_decode_graphs(self):
         sizes = sorted({min(bs, self.max_num_seqs) for bs in GRAPH_BATCH_SIZES + [self.max_num_seqs]})
         max_bs, dev = sizes[-1], self.device
         self.static = {
             "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
             "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "seqlens_k": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "seqlens_k": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
         self.graph_logits = {}
-        pool = None
-        for bs in reversed(sizes):  # largest first so the memory pool fits all
+        for bs in reversed(sizes):
             s = {k: v[:bs] for k, v in self.static.items()}
             meta = self._decode_metadata(s["slot_mapping"], s["block_table"], s["seqlens_k"])
-
-            def forward():
-                return self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta))
-
-            with torch.inference_mode():
-                s["seqlens_k"].fill_(1)
-                forward()  # compile kernels and settle allocations outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.graph_logits[bs] = forward()
-                pool = graph.pool() if pool is None else pool
-                s["seqlens_k"].zero_()
-                graph.replay()  # the first replay uploads the graph: pay for it here, not in a request
-            self.graphs[bs] = graph
+            self.graphs[bs], self.graph_logits[bs] = self._capture(
+                lambda: self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta)))
+        self.static["seqlens_k"].zero_()
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+
+    def _prefill_graph_keys(self) -> list[tuple[int, int]]:
+        return [(t, b) for t in PREFILL_GRAPH_TOKENS if t <= self.max_prefill_graph_tokens
+                for b in sorted({min(b, t, self.max_num_seqs) for b in PREFILL_GRAPH_SEQS})]
+
+    def _capture_prefill_graphs(self):
+        keys = self._prefill_graph_keys()
+        if not keys:
+            return
+        max_t, max_b, dev = max(t for t, _ in keys), max(b for _, b in keys), self.device
+        # All-empty sequences and unwritten slots: captures run the kernels' launches, not their work.
+        self.prefill_static = {
+            "input_ids": torch.zeros(max_t, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_t, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_t,), -1, dtype=torch.int64, device=dev),
+            "cu_seqlens_q": torch.zeros(max_b + 1, dtype=torch.int32, device=dev),
+            "cu_seqlens_k": torch.zeros(max_b + 1, dtype=torch.int32, device=dev),
+            "seqlens_k": torch.zeros(max_b, dtype=torch.int32, device=dev),
+            "block_table": torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+        }
+        self.prefill_hidden = {}
+        for t, b in sorted(keys, reverse=True):
+            s = self.prefill_static
+            # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
+            meta = AttentionMetadata(slot_mapping=s["slot_mapping"][:t], block_table=s["block_table"][:b],
+                                     seqlens_k=s["seqlens_k"][:b], cu_seqlens_q=s["cu_seqlens_q"][:b + 1],
+                                     cu_seqlens_k=s["cu_seqlens_k"][:b + 1], max_seqlen_q=min(t, self.max_model_len),
+                                     max_seqlen_k=self.max_model_len)
+            ids, positions = s["input_ids"][:t], s["positions"][:t]
+            # One warm-up per token count: the sequence count changes only the attention kernel's grid.
+            self.prefill_graphs[(t, b)], self.prefill_hidden[(t, b)] = self._capture(
+                lambda: self.model(ids, positions, meta), warm_up=(t, b) == max(k for k in keys if k[0] == t))
+        self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))
+        log.info("captured prefill CUDA graphs for (tokens, sequences) %s", list(self.prefill_graphs))
 
     @torch.inference_mode()
     def _replay(self, bs: int, batch: ScheduledBatch, input_ids: list[int], fill_rows: list[int],
@@ -222,3 +281,27 @@ class ModelRunner:
         s["block_table"][:bs, :width] = dev[:, 4:]
         self.graphs[bs].replay()
         return self.graph_logits[bs]
+
+    @torch.inference_mode()
+    def _replay_prefill(self, key: tuple[int, int], input_ids: list[int], seqlens_q: list[int],
+                        seqlens_k: list[int], tables: list[list[int]], fill_rows: list[int], from_rows: list[int],
+                        pending: torch.Tensor | None) -> torch.Tensor:
+        """Builds a prefill or mixed step's inputs, copies them into the static buffers of the (tokens,
+        sequences) graph `key` (padding: tokens without a slot, sequences without tokens) and replays it.
+        Returns the hidden states of all `key[0]` rows; the step's are the first len(input_ids)."""
+        (t, b), n, batch = key, len(input_ids), len(seqlens_q)
+        ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, tables)
+        s = self.prefill_static
+        s["input_ids"][:n] = ids
+        if fill_rows:
+            s["input_ids"][self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
+        s["positions"][:n] = positions
+        s["slot_mapping"][:n] = meta.slot_mapping
+        s["slot_mapping"][n:t] = -1  # a padding token must never write the cache
+        s["cu_seqlens_q"][:batch + 1] = meta.cu_seqlens_q
+        s["cu_seqlens_q"][batch + 1:b + 1] = n
+        s["cu_seqlens_k"][:batch + 1] = meta.cu_seqlens_k
+        s["cu_seqlens_k"][batch + 1:b + 1] = sum(seqlens_k)
+        s["block_table"][:batch, :meta.block_table.shape[1]] = meta.block_table
+        self.prefill_graphs[key].replay()
+        return self.prefill_hidden[key]

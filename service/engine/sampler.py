@@ -32,16 +32,22 @@ class Sampled:
         return tokens, chosen, tops
 
 
+def _on_device(data, device, dtype=None) -> torch.Tensor:
+    """A small per-row tensor on the device without waiting: torch.tensor(data, device=cuda) copies from pageable
+    memory and synchronizes the stream, which would wait for the step in flight and end the overlap."""
+    return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+
+
 def _apply_repetition_penalty(logits, penalties, seen: list[list[int]]):
     """Penalize every token already in a row's prompt or output: positive logits divided, negative multiplied."""
     rows = [i for i, p in enumerate(penalties) if p != 1.0]
     width = max(len(seen[i]) for i in rows)
     # Pad with a row's own first token: duplicates compute and scatter the same value.
-    ids = torch.tensor([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows], device=logits.device)
-    row_idx = torch.tensor(rows, device=logits.device)
+    ids = _on_device([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows], logits.device)
+    row_idx = _on_device(rows, logits.device)
     sub = logits[row_idx]
     vals = sub.gather(1, ids)
-    p = torch.tensor([penalties[i] for i in rows], device=logits.device, dtype=logits.dtype)[:, None]
+    p = _on_device([penalties[i] for i in rows], logits.device, logits.dtype)[:, None]
     logits[row_idx] = sub.scatter(1, ids, torch.where(vals > 0, vals / p, vals * p))
     return logits
 
@@ -85,13 +91,13 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            temps = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy)], device=device)
+            temps = _on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
             logits = logits / temps[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_k = torch.tensor([p.top_k for p in params], device=device)
-                top_p = torch.tensor([p.top_p for p in params], device=device)
+                top_k = _on_device([p.top_k for p in params], device)
+                top_p = _on_device([p.top_p for p in params], device)
                 filtered = _top_k_top_p(logits, top_k, top_p)
-                is_greedy = torch.tensor(greedy, device=device)[:, None]
+                is_greedy = _on_device(greedy, device)[:, None]
                 logits = torch.where(is_greedy, logits, filtered)
             probs = logits.softmax(-1)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, batched.
@@ -100,7 +106,7 @@ class Sampler:
                 if g is not None and not greedy[i]:
                     noise[i].exponential_(generator=g)
             sampled = (probs / noise).argmax(-1)
-            tokens = torch.where(torch.tensor(greedy, device=device), logits.argmax(-1), sampled)
+            tokens = torch.where(_on_device(greedy, device), logits.argmax(-1), sampled)
         top_counts = [p.top_logprobs for p in params]
         copies = [tokens]
         if any(p.logprobs or p.top_logprobs > 0 for p in params):
