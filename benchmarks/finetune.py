@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from service.config import Settings  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.finetune.data import Example  # noqa: E402
 from service.finetune.trainer import StepResult, TrainConfig, Trainer  # noqa: E402
-from service.model.loader import DEFAULT_MODEL_DIR, load_model  # noqa: E402
+from service.model.loader import load_model  # noqa: E402
 from service.model.lora import LoRAConfig  # noqa: E402
 
 CONFIG = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,

@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
-from service.model.loader import DEFAULT_MODEL_DIR  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
 CONFIG = {

@@ -44,8 +44,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.load_generator import CHAT, TGI, Workload, run_level, summarize  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 
-DEFAULT_MODEL_DIR = ROOT / "service" / "default_model"
 ENDPOINTS = {"generate_stream": TGI, "chat": CHAT}
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -1,10 +1,19 @@
 """Every setting of the service, from the command line (--model ...) or the environment (LLM_MODEL=...)."""
 import os
+from pathlib import Path
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 ROUTE_GROUPS = ("generate", "openai", "finetune", "metrics")  # what api_key_routes may name
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+
+
+def local_model_dir(model: str | None) -> Path | None:
+    """The model's directory when it is known without a download (the embedded model, or a directory)."""
+    if model is None:
+        return DEFAULT_MODEL_DIR
+    return Path(model) if Path(model).is_dir() else None
 
 
 class Settings(BaseSettings):
@@ -30,8 +39,8 @@ class Settings(BaseSettings):
                                                "tokens replay CUDA graphs too (0: they run eagerly)")
     async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
                                           "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
-    compile_cache_dir: str = Field("~/.cache/tritonserve", description="Triton and torch.compile caches, kept "
-                                   "across restarts so a warm start skips compiling and autotuning")
+    compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "
+                                   "results, kept across restarts so a warm start skips compiling and autotuning")
 
     # HTTP
     host: str = "127.0.0.1"

@@ -51,7 +51,6 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
     # Compiled kernels persist across restarts; set before torch and triton are imported.
     cache = Path(settings.compile_cache_dir).expanduser()
     os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     import torch
 

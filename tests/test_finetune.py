@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from service.config import DEFAULT_MODEL_DIR
 from service.finetune.data import parse_jsonl, tokenize, tokenize_records
 from service.model import LlamaForCausalLM, ModelConfig
-from service.model.loader import DEFAULT_MODEL_DIR, load_model
+from service.model.loader import load_model
 from service.model.lora import Adapter, LoRAConfig, activate, add_adapter, install, serving_adapters
 from service.text import load_tokenizer
 from tests.helpers import rel_err

@@ -18,7 +18,7 @@ from service.api.engine_client import EngineClient
 from service.api.errors import RETRY_AFTER_SECONDS, APIError, error_response, install_handlers
 from service.api.generation import engine
 from service.api.openapi import openapi_schema
-from service.config import Settings
+from service.config import Settings, local_model_dir
 from service.metrics import FrontendMetrics, exposition
 
 ENDPOINTS = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream",
@@ -39,7 +39,7 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         client = EngineClient(engine_address, name or f"api-{os.getpid()}", app.state.metrics)
-        await client.start()
+        await client.start(tokenizer_dir=local_model_dir(settings.model))
         app.state.engine = client
         # Accept no connection before this front-end can serve: the front-ends share one port, and the first to
         # answer /health must not vouch for another still waiting for the engine core (it may load for minutes;

@@ -15,6 +15,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -142,6 +143,8 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._info_task: asyncio.Task | None = None
+        self._tokenizer_dir: Path | None = None
+        self._tokenizer_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._pack = encoder().encode
         self._unpack = frontend_decoder().decode
@@ -180,8 +183,13 @@ class EngineClient:
         return await asyncio.to_thread(encode_chat, self.tokenizer, messages, add_generation_prompt=True)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, tokenizer_dir: Path | None = None) -> None:
+        """Connects to the engine core. tokenizer_dir: where the model's tokenizer is, when known before the core
+        says: it loads (seconds) while the core starts, not after."""
         self.loop = asyncio.get_running_loop()
+        if tokenizer_dir is not None:
+            self._tokenizer_dir = tokenizer_dir.resolve()
+            self._tokenizer_task = self.loop.create_task(asyncio.to_thread(load_tokenizer, tokenizer_dir))
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.ROUTING_ID, self.identity.encode())
         self.socket.setsockopt(zmq.SNDHWM, 0)
@@ -295,7 +303,10 @@ class EngineClient:
 
     async def _on_info(self, info: EngineInfo) -> None:
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
+            if self._tokenizer_task is not None and self._tokenizer_dir == Path(info.model_dir).resolve():
+                self.tokenizer = await self._tokenizer_task
+            else:
+                self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
             self.special_ids = set(self.tokenizer.all_special_ids)
             # No token stands for more characters than its longest spelling: a text longer than this many per
             # token of context cannot fit, and is refused without tokenizing it.

@@ -1,8 +1,8 @@
 """Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
 
 Their elementwise math runs eagerly as a handful of small kernels each; a decode step of a small model is bound
-by those launches, not by bytes, so on CUDA inference (no autograd) the same functions run through
-torch.compile, which fuses each into one kernel. Training and CPU keep the eager path.
+by those launches, not by bytes, so on CUDA inference (no autograd) each runs as one Triton kernel of
+kernels/elementwise.py instead. Training and the CPU keep the eager path, which is also the kernels' reference.
 """
 import math
 
@@ -11,22 +11,11 @@ from torch import nn
 from torch.nn import functional as F
 
 
-def fused(fn):
-    """fn, compiled (dynamic shapes, compiled on first use) for CUDA tensors outside autograd."""
-    compiled = None
-
-    def run(x, *args):
-        nonlocal compiled
-        if not x.is_cuda or torch.is_grad_enabled():
-            return fn(x, *args)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(x, *args)
-    return run
+def _use_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda and not torch.is_grad_enabled()
 
 
-@fused
-def _rms_norm(x, weight, eps: float):
+def rms_norm_ref(x, weight, eps: float):
     # Normalize in float32 and round before scaling, as the reference implementations do.
     dtype = x.dtype
     x = x.float()
@@ -41,7 +30,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return _rms_norm(x, self.weight, self.eps)
+        if _use_kernels(x):
+            from kernels.elementwise import rms_norm
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -75,12 +67,15 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin = self._table(device)
 
     def forward(self, positions, q, k):
-        """q/k [..., tokens, heads, head_dim] with positions [..., tokens]."""
-        return _apply_rope(q, k, positions, self.cos_sin)
+        """q/k [..., tokens, heads, head_dim] with positions [..., tokens]. Inference on CUDA rotates q and k in
+        place (they are fresh projections)."""
+        if _use_kernels(q) and q.dim() == 3 and self.head_dim & (self.head_dim - 1) == 0:
+            from kernels.elementwise import apply_rope_
+            return apply_rope_(q, k, positions, self.cos_sin)
+        return apply_rope_ref(q, k, positions, self.cos_sin)
 
 
-@fused
-def _apply_rope(q, k, positions, cos_sin):
+def apply_rope_ref(q, k, positions, cos_sin):
     cos, sin = cos_sin[positions].unsqueeze(-2).to(q.dtype).chunk(2, dim=-1)
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -90,8 +85,7 @@ def _rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-@fused
-def _silu_mul(gate, up):
+def silu_mul_ref(gate, up):
     return F.silu(gate) * up
 
 
@@ -103,4 +97,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(_silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if _use_kernels(gate):
+            from kernels.elementwise import silu_mul
+            return self.down_proj(silu_mul(gate, up))
+        return self.down_proj(silu_mul_ref(gate, up))

@@ -8,21 +8,20 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from service.config import local_model_dir
 from service.model.config import ModelConfig
 from service.model.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "default_model"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def resolve_model_dir(model: str | None) -> Path:
     """None -> the embedded default model; an existing directory; else a hub id downloaded (weights, config,
     tokenizer only)."""
-    if model is None:
-        return DEFAULT_MODEL_DIR
-    if Path(model).is_dir():
-        return Path(model)
+    local = local_model_dir(model)
+    if local is not None:
+        return local
     from huggingface_hub import snapshot_download
     log.info("downloading %s from the Hugging Face hub", model)
     return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*"]))

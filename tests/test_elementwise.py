@@ -1,0 +1,74 @@
+"""The decoder's elementwise kernels (kernels/elementwise.py) against the eager layers they replace, on fresh
+random inputs with sizes that are not powers of two (hidden 896, intermediate 4864, 14 and 2 heads)."""
+import pytest
+import torch
+
+from kernels.elementwise import apply_rope_, rms_norm, silu_mul
+from service.model.layers import RotaryEmbedding, apply_rope_ref, rms_norm_ref, silu_mul_ref
+from tests.helpers import rel_err
+
+DTYPES = [torch.float32, torch.float16]
+
+
+def _tol(dtype):
+    return 1e-5 if dtype == torch.float32 else 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 896), (5, 14, 64), (1, 80)])
+def test_rms_norm_matches_eager(device, dtype, shape):
+    x = torch.randn(shape, device=device, dtype=dtype) * 3
+    weight = torch.randn(shape[-1], device=device, dtype=dtype)
+    assert rel_err(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6)) < _tol(dtype)
+
+
+def test_rms_norm_reads_rows_of_a_strided_view(device):
+    wide = torch.randn(9, 1000, device=device)
+    x = wide[:, :896]  # rows 1000 apart
+    weight = torch.randn(896, device=device)
+    assert rel_err(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,heads_k,head_dim", [(14, 2, 64), (4, 4, 128), (3, 1, 32)])
+def test_rope_matches_eager_at_random_positions(device, dtype, heads, heads_k, head_dim):
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
+    tokens = 23
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    q = torch.randn(tokens, heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(tokens, heads_k, head_dim, device=device, dtype=dtype)
+    ref_q, ref_k = apply_rope_ref(q.float(), k.float(), positions, rotary.cos_sin)
+    out_q, out_k = apply_rope_(q, k, positions, rotary.cos_sin)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place
+    assert rel_err(out_q, ref_q) < _tol(dtype) and rel_err(out_k, ref_k) < _tol(dtype)
+
+
+def test_rope_refuses_head_dims_that_are_not_powers_of_two(device):
+    q = torch.randn(2, 2, 80, device=device)
+    with pytest.raises(ValueError, match="power-of-two"):
+        apply_rope_(q, q.clone(), torch.zeros(2, dtype=torch.long, device=device), torch.zeros(8, 80, device=device))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 4864), (1, 3), (0, 16)])
+def test_silu_mul_matches_eager(device, dtype, shape):
+    gate, up = (torch.randn(shape, device=device, dtype=dtype) * 4 for _ in range(2))
+    out = silu_mul(gate, up)
+    assert out.shape == gate.shape
+    if gate.numel():
+        assert rel_err(out, silu_mul_ref(gate.float(), up.float())) < _tol(dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_at_real_sizes():
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(rms_norm(x, w, 1e-5), rms_norm_ref(x.float(), w.float(), 1e-5)) < 1e-2
+    rotary = RotaryEmbedding(128, 8192, 5e5, None).to("cuda")
+    positions = torch.randint(0, 8192, (2048,), device="cuda")
+    q, k = (torch.randn(2048, h, 128, device="cuda", dtype=torch.bfloat16) for h in (32, 8))
+    ref_q, ref_k = apply_rope_ref(q.float(), k.float(), positions, rotary.cos_sin)
+    apply_rope_(q, k, positions, rotary.cos_sin)
+    assert rel_err(q, ref_q) < 1e-2 and rel_err(k, ref_k) < 1e-2
+    gate, up = (torch.randn(2048, 14336, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    assert rel_err(silu_mul(gate, up), silu_mul_ref(gate.float(), up.float())) < 1e-2
