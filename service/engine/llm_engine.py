@@ -11,6 +11,7 @@ import gc
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,10 @@ class LLMEngine:
         local = s.model is None or self.model_dir == Path(s.model)
         self.model_name = s.served_model_name or (self.model_dir.resolve().name if local else s.model)
         log.info("loading %s (%s, %s) on %s", self.model_dir, cfg.architecture, dtype, self.device)
-        self.model = load_model(self.model_dir, dtype, self.device)
-        self.tokenizer = load_tokenizer(self.model_dir)
+        with ThreadPoolExecutor(1) as pool:  # the tokenizer's imports (seconds) beside the weights' loading
+            tokenizer = pool.submit(load_tokenizer, self.model_dir)
+            self.model = load_model(self.model_dir, dtype, self.device)
+            self.tokenizer = tokenizer.result()
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, s.block_size, self.max_model_len, s.max_num_seqs,
