@@ -5,7 +5,9 @@ the model eagerly, and returns the logits of the rows to sample. Engine-core pro
 A small model's step is bound by the host launching ~1,000 kernels, not by the GPU (a 128-token prefill: 30 ms
 eager, 3 ms of GPU time), so both kinds of step replay graphs: pure-decode steps one per batch size, and prefill
 or mixed steps one per (token count, sequence count) bucket, whose padding tokens write no cache slot and whose
-padding sequences are empty (the varlen kernel's programs for them return at once).
+padding sequences are empty (the varlen kernel's programs for them return at once). Steps that serve LoRA adapters
+replay graphs of their own, captured the first time a step of that key needs one, that apply the adapters packed
+in service.model.lora.AdapterSlots; steps whose adapters do not fit the slots run eagerly.
 
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
@@ -28,7 +30,7 @@ PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence cos
 
 class ModelRunner:
     def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_graph_tokens: int = 0):
+                 max_prefill_graph_tokens: int = 0, max_loras: int = 4, max_lora_rank: int = 16):
         self.model = model
         self.cfg = model.config
         self.block_size = block_size
@@ -41,7 +43,12 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.max_prefill_graph_tokens = min(max_prefill_graph_tokens, max_num_batched_tokens)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
+        self.graph_logits: dict[int, torch.Tensor] = {}  # their outputs
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
+        self.prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.lora_graphs: dict = {}  # (graph, output) with adapters, by a decode or prefill graph's key
+        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.lora_slots = None  # AdapterSlots, made when an adapter is first served in a graph
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -100,22 +107,28 @@ class ModelRunner:
                 sample_index.append(i)
         decode = len(input_ids) == len(batch.seqs)
         adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
-        if not any(adapters):  # LoRA runs through hooks, never in a graph
-            graph_bs = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
-            if decode and graph_bs is not None:
-                # A decode step samples every row. (Indexing with a host list would copy it to the device with
-                # a blocking copy, which waits for the step in flight: no overlap.)
-                return self._replay(graph_bs, batch, input_ids, fill_rows, from_rows, pending)[:len(sample_rows)], \
-                    sample_index
+        if decode:
+            key = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
+            graphs = (self.graphs, self.graph_logits)
+        else:
             key = next((k for k in self.prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
-            if not decode and key is not None:
-                hidden = self._replay_prefill(key, input_ids, seqlens_q, seqlens_k, batch.block_tables, fill_rows,
-                                              from_rows, pending)
-                return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
+            graphs = (self.prefill_graphs, self.prefill_hidden)
+        graph = None
+        if key is not None:
+            graph = self._lora_graph(key, adapters) if any(adapters) else (graphs[0][key], graphs[1][key])
+        if graph is not None and decode:
+            # A decode step samples every row. (Indexing with a host list would copy it to the device with a
+            # blocking copy, which waits for the step in flight: no overlap.)
+            return self._replay(*graph, key, batch, input_ids, fill_rows, from_rows, pending)[:len(sample_rows)], \
+                sample_index
+        if graph is not None:
+            hidden = self._replay_prefill(*graph, key, input_ids, seqlens_q, seqlens_k, batch.block_tables, fill_rows,
+                                          from_rows, pending)
+            return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
         ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables)
         if fill_rows:
             ids[self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
-        if any(adapters):  # LoRA on the rows of the sequences that asked for one
+        if any(adapters):  # LoRA on the rows of the sequences that asked for one, through hooks
             from service.model.lora import serving_adapters
             with serving_adapters(self.model, adapters, self.device):
                 hidden = self.model(ids, positions, meta)
@@ -214,12 +227,8 @@ class ModelRunner:
             "seqlens_k": torch.ones(max_bs, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
-        self.graph_logits = {}
         for bs in reversed(sizes):
-            s = {k: v[:bs] for k, v in self.static.items()}
-            meta = self._decode_metadata(s["slot_mapping"], s["block_table"], s["seqlens_k"])
-            self.graphs[bs], self.graph_logits[bs] = self._capture(
-                lambda: self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta)))
+            self.graphs[bs], self.graph_logits[bs] = self._capture(self._decode_forward(bs))
         self.static["seqlens_k"].zero_()
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
@@ -243,26 +252,67 @@ class ModelRunner:
             "seqlens_k": torch.zeros(max_b, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
-        self.prefill_hidden = {}
         for t, b in sorted(keys, reverse=True):
-            s = self.prefill_static
-            # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
-            meta = AttentionMetadata(slot_mapping=s["slot_mapping"][:t], block_table=s["block_table"][:b],
-                                     seqlens_k=s["seqlens_k"][:b], cu_seqlens_q=s["cu_seqlens_q"][:b + 1],
-                                     cu_seqlens_k=s["cu_seqlens_k"][:b + 1], max_seqlen_q=min(t, self.max_model_len),
-                                     max_seqlen_k=self.max_model_len)
-            ids, positions = s["input_ids"][:t], s["positions"][:t]
             # One warm-up per token count: the sequence count changes only the attention kernel's grid.
             self.prefill_graphs[(t, b)], self.prefill_hidden[(t, b)] = self._capture(
-                lambda: self.model(ids, positions, meta), warm_up=(t, b) == max(k for k in keys if k[0] == t))
+                self._prefill_forward((t, b)), warm_up=(t, b) == max(k for k in keys if k[0] == t))
         self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))
         log.info("captured prefill CUDA graphs for (tokens, sequences) %s", list(self.prefill_graphs))
 
+    def _decode_forward(self, bs: int):
+        s = {k: v[:bs] for k, v in self.static.items()}
+        meta = self._decode_metadata(s["slot_mapping"], s["block_table"], s["seqlens_k"])
+        return lambda: self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta))
+
+    def _prefill_forward(self, key: tuple[int, int]):
+        (t, b), s = key, self.prefill_static
+        # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
+        meta = AttentionMetadata(slot_mapping=s["slot_mapping"][:t], block_table=s["block_table"][:b],
+                                 seqlens_k=s["seqlens_k"][:b], cu_seqlens_q=s["cu_seqlens_q"][:b + 1],
+                                 cu_seqlens_k=s["cu_seqlens_k"][:b + 1], max_seqlen_q=min(t, self.max_model_len),
+                                 max_seqlen_k=self.max_model_len)
+        ids, positions = s["input_ids"][:t], s["positions"][:t]
+        return lambda: self.model(ids, positions, meta)
+
+    def _lora_graph(self, key: int | tuple[int, int], token_adapters: list[str | None]):
+        """(graph, output) for the decode graph key (batch size) or prefill graph key (tokens, sequences) with
+        these adapters applied: their slots loaded and each row's mask written. None when they cannot all be
+        served from slots (the step then runs eagerly)."""
+        from service.model.lora import AdapterSlots, activate
+
+        registry = self.model.lora_adapters
+        distinct = list({name: registry[name] for name in token_adapters if name}.values())
+        if self.lora_slots is None:
+            rows = max([max(self.graphs)] + [t for t, _ in self.prefill_graphs])
+            self.lora_slots = AdapterSlots(self.model, self.max_loras, self.max_lora_rank, rows, self.device,
+                                           self.dtype)
+        slots = self.lora_slots.assign(distinct)
+        if slots is None:
+            return None
+        decode = isinstance(key, int)
+        if key not in self.lora_graphs:
+            # Captured while serving, the first time a step needs it: no step is in flight after the synchronize,
+            # and with every slot -1 the capture's own forwards write nothing into the cache.
+            torch.cuda.synchronize(self.device)
+            (self.static if decode else self.prefill_static)["slot_mapping"].fill_(-1)
+            with activate(self.lora_slots):
+                self.lora_graphs[key] = self._capture(self._decode_forward(key) if decode
+                                                      else self._prefill_forward(key))
+            log.info("captured a CUDA graph with LoRA adapters for %s %s", "batch size" if decode else
+                     "(tokens, sequences)", key)
+        none = self.max_loras  # the patterns' all-zero row: the base model
+        rows = [slots[id(registry[name])] if name else none for name in token_adapters]
+        width = key if decode else key[0]
+        torch.index_select(self.lora_slots.patterns, 0, self._tensor(rows + [none] * (width - len(rows)), torch.long),
+                           out=self.lora_slots.mask[:width])
+        return self.lora_graphs[key]
+
     @torch.inference_mode()
-    def _replay(self, bs: int, batch: ScheduledBatch, input_ids: list[int], fill_rows: list[int],
-                from_rows: list[int], pending: torch.Tensor | None) -> torch.Tensor:
-        """Writes a decode step's inputs into the graph's static buffers (stream-ordered copies: the step in
-        flight has read them by then) and replays the graph of batch size bs."""
+    def _replay(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, bs: int, batch: ScheduledBatch,
+                input_ids: list[int], fill_rows: list[int], from_rows: list[int],
+                pending: torch.Tensor | None) -> torch.Tensor:
+        """Writes a decode step's inputs into the graphs' static buffers (stream-ordered copies: the step in
+        flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its logits."""
         block_size, tables = self.block_size, batch.block_tables
         width = max(map(len, tables))
         rows = []
@@ -279,16 +329,16 @@ class ModelRunner:
         s["slot_mapping"][:bs] = dev[:, 2]
         s["seqlens_k"][:bs] = dev[:, 3]
         s["block_table"][:bs, :width] = dev[:, 4:]
-        self.graphs[bs].replay()
-        return self.graph_logits[bs]
+        graph.replay()
+        return logits
 
     @torch.inference_mode()
-    def _replay_prefill(self, key: tuple[int, int], input_ids: list[int], seqlens_q: list[int],
-                        seqlens_k: list[int], tables: list[list[int]], fill_rows: list[int], from_rows: list[int],
-                        pending: torch.Tensor | None) -> torch.Tensor:
-        """Builds a prefill or mixed step's inputs, copies them into the static buffers of the (tokens,
-        sequences) graph `key` (padding: tokens without a slot, sequences without tokens) and replays it.
-        Returns the hidden states of all `key[0]` rows; the step's are the first len(input_ids)."""
+    def _replay_prefill(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, key: tuple[int, int],
+                        input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
+                        fill_rows: list[int], from_rows: list[int], pending: torch.Tensor | None) -> torch.Tensor:
+        """Builds a prefill or mixed step's inputs, copies them into the static buffers of `graph`, a prefill
+        graph of (tokens, sequences) `key` (padding: tokens without a slot, sequences without tokens), and
+        replays it. Returns its hidden states of all `key[0]` rows; the step's are the first len(input_ids)."""
         (t, b), n, batch = key, len(input_ids), len(seqlens_q)
         ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, tables)
         s = self.prefill_static
@@ -303,5 +353,5 @@ class ModelRunner:
         s["cu_seqlens_k"][:batch + 1] = meta.cu_seqlens_k
         s["cu_seqlens_k"][batch + 1:b + 1] = sum(seqlens_k)
         s["block_table"][:batch, :meta.block_table.shape[1]] = meta.block_table
-        self.prefill_graphs[key].replay()
-        return self.prefill_hidden[key]
+        graph.replay()
+        return hidden
