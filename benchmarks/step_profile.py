@@ -2,7 +2,8 @@
 its GPU time, the host time of one call of our varlen attention, the host ops that cost most (torch.profiler),
 and the engine's own time to first token (add_request to the first sampled token, prefill graphs included) with
 where its host time goes. Decode: the wall time of overlapped steps at a few batch sizes and the Python functions
-that cost most (cProfile), to set against the decode graph's GPU time.
+that cost most (cProfile), to set against the decode graph's GPU time; and at batch 64 with 3 sequences on a LoRA
+adapter.
 
 python benchmarks/step_profile.py [--tokens 128] [--out DIR]
 
@@ -87,6 +88,7 @@ def main():
               "attention_call_wall_ms": attention_ms}
     result |= engine_ttft(llm, n)
     decode = {batch: decode_profile(llm, batch) for batch in (1, 64, 256)}
+    result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, 64, adapter_rows=3)
     print(table)
     for batch, d in decode.items():
         print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step\n{d['profile']}")
@@ -122,6 +124,32 @@ def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:
     print(f"engine TTFT ({tokens}-token prompt): {1e3 * sorted(times)[len(times) // 2]:.2f} ms\n{text.getvalue()}")
     return {"engine_ttft_ms": 1e3 * sorted(times)[len(times) // 2], "prefill_graphs": len(engine.runner.prefill_graphs),
             "engine_ttft_profile": text.getvalue()[-3500:]}
+
+
+def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) -> float:
+    """Mean decode step at this batch when adapter_rows of its sequences ask for a (random, rank 8) LoRA
+    adapter: the graphs with adapter slots, against decode_profile's steps without."""
+    from service.model.lora import Adapter, LoRAConfig, add_adapter
+
+    engine = llm.engine
+    adapter = Adapter.init(engine.model, LoRAConfig(rank=8), seed=0)
+    add_adapter(engine.model, "profile", adapter.to(engine.device, engine.model.lm_head.weight.dtype))
+    params = SamplingParams(max_new_tokens=3 * steps, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"lora-{i}", list(range(3, 131)), params, adapter="profile" if i < adapter_rows else None)
+    for _ in range(10):  # the prefill, the first decodes, and the adapter graphs' capture
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = 1e3 * (time.perf_counter() - start) / steps
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    while engine.has_work:
+        engine.step()
+    print(f"decode batch {batch} with {adapter_rows} adapter rows: {step_ms:.3f} ms per step")
+    return step_ms
 
 
 def decode_profile(llm, batch: int, steps: int = 200) -> dict:
