@@ -71,9 +71,6 @@ class Settings(BaseSettings):
     finetune_max_files: int = Field(1000, ge=1, description="training files kept (DELETE /v1/files/{id} frees one)")
     finetune_max_jobs: int = Field(1000, ge=1, description="fine-tuning jobs kept, finished ones included")
     finetune_max_messages: int = Field(256, ge=1, description="messages per chat example of a training file")
-    max_loras: int = Field(4, ge=1, description="LoRA adapters one CUDA-graph step can serve at once (more in a "
-                           "step, or a full fine-tune's adapter: that step runs eagerly)")
-    max_lora_rank: int = Field(16, ge=1, description="largest LoRA rank served inside CUDA graphs")
 
     @field_validator("model", mode="before")
     @classmethod

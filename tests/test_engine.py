@@ -305,35 +305,3 @@ def test_cuda_graphs_match_eager(model_dir, prompts):
         assert bool(replays) == graphs
         assert_no_leaks(llm)
     assert outs[True] == outs[False]
-
-
-@pytest.mark.gpu
-def test_lora_decode_graphs_match_eager_hooks(model_dir, prompts):
-    """Decode steps serving adapters replay graphs with the adapters packed in slots; the same greedy tokens as
-    eager steps with hooks, for a batch mixing the base model and two adapters."""
-    from service.model.lora import Adapter, LoRAConfig, add_adapter
-
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    outs = {}
-    for graphs in (False, True):
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
-                  max_num_seqs=64)
-        engine = llm.engine
-        for i, name in enumerate(("one", "two")):
-            adapter = Adapter.init(engine.model, LoRAConfig(rank=4 * (i + 1)), seed=i)
-            for a, b in adapter.weights.values():
-                b.data.normal_(0, 0.5)
-            add_adapter(engine.model, name, adapter.to("cuda", torch.float32))
-        names = [None, "one", "two"]
-        for i, prompt in enumerate(prompts[:12]):
-            engine.add_request(f"r{i}", prompt, params, adapter=names[i % 3])
-            engine.add_request(f"base{i}", prompt, params)  # what the adapters must change
-        tokens = {}
-        while engine.has_work:
-            for out in engine.step()[0]:
-                tokens.setdefault(out.request_id, []).append(out.token_id)
-        outs[graphs] = tokens
-        assert bool(engine.runner.lora_graphs) == graphs
-        assert_no_leaks(llm)
-    assert outs[True] == outs[False]
-    assert all(outs[True][f"r{i}"] != outs[True][f"base{i}"] for i in range(12) if names[i % 3])

@@ -16,15 +16,7 @@ from service.config import DEFAULT_MODEL_DIR
 from service.finetune.data import parse_jsonl, tokenize, tokenize_records
 from service.model import LlamaForCausalLM, ModelConfig
 from service.model.loader import load_model
-from service.model.lora import (
-    Adapter,
-    AdapterSlots,
-    LoRAConfig,
-    activate,
-    add_adapter,
-    install,
-    serving_adapters,
-)
+from service.model.lora import Adapter, LoRAConfig, activate, add_adapter, install, serving_adapters
 from service.text import load_tokenizer
 from tests.helpers import rel_err
 from tests.server import serve
@@ -114,40 +106,6 @@ def test_mixed_batch_applies_each_rows_own_adapter(tmp_path):
             assert rel_err(mixed[rows], ref) < 1e-5, name
             if name is not None:
                 assert rel_err(base[rows], ref) > 1e-3, f"adapter {name} changed nothing"
-
-
-def test_adapter_slots_match_the_hooks_for_a_mixed_batch():
-    """The packed, graph-capturable path (AdapterSlots) against the per-adapter hooks: two LoRA adapters of
-    different ranks and targets, and base rows, in one flat batch; slots are reused, evicted least recently used,
-    and refused when a step needs more than there are or a full fine-tune's update."""
-    model = load_model(DEFAULT_MODEL_DIR, torch.float32, "cpu")
-    install(model)
-    one = _random_adapter(model, LoRAConfig(rank=4, targets=("q_proj", "v_proj", "down_proj")), seed=1)
-    two = _random_adapter(model, LoRAConfig(rank=8, alpha=4.0), seed=2)
-    full = _random_adapter(model, LoRAConfig(full=True, targets=("o_proj",)), seed=3)
-    for name, adapter in (("one", one), ("two", two)):
-        add_adapter(model, name, adapter.to("cpu", torch.float32))
-    registry = model.lora_adapters
-    token_names = ["one", None, "two", "two", None, "one", "two"]
-    ids = torch.randint(0, model.config.vocab_size, (len(token_names),))
-    cu = torch.arange(len(ids) + 1, dtype=torch.int32)  # each token its own sequence
-    slots = AdapterSlots(model, num_slots=2, max_rank=8, max_tokens=16, device="cpu", dtype=torch.float32)
-    assigned = slots.assign([registry["one"], registry["two"]])
-    rows = [assigned[id(registry[n])] if n else 2 for n in token_names]
-    slots.mask[:len(rows)] = slots.patterns[torch.tensor(rows)]
-    with torch.no_grad():
-        with activate(slots):
-            packed = model.forward_train(ids, cu_seqlens=cu, max_seqlen=1)
-        with serving_adapters(model, token_names, "cpu"):
-            hooked = model.forward_train(ids, cu_seqlens=cu, max_seqlen=1)
-        base = model.forward_train(ids, cu_seqlens=cu, max_seqlen=1)
-    assert rel_err(packed, hooked) < 1e-5 and rel_err(packed, base) > 1e-3
-    assert slots.assign([registry["two"]]) == {id(registry["two"]): assigned[id(registry["two"])]}  # kept
-    three = _random_adapter(model, LoRAConfig(rank=2), seed=4)
-    again = slots.assign([three])  # evicts "one", the least recently used
-    assert again == {id(three): assigned[id(registry["one"])]} and slots.loaded.count(three) == 1
-    assert slots.assign([registry["one"], registry["two"], three]) is None  # more than the slots
-    assert slots.assign([full]) is None and slots.assign([_random_adapter(model, LoRAConfig(rank=16), seed=5)]) is None
 
 
 # -- the API through the official client -------------------------------------------------------------------

@@ -88,8 +88,7 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, s.block_size, self.max_model_len, s.max_num_seqs,
-                                  s.max_num_batched_tokens, s.cuda_graph_max_prefill_tokens, s.max_loras,
-                                  s.max_lora_rank)
+                                  s.max_num_batched_tokens, s.cuda_graph_max_prefill_tokens)
         shape = (cfg.num_hidden_layers, s.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
         tuning_dir = Path(s.compile_cache_dir).expanduser()
         if self.device.type == "cuda":

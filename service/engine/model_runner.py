@@ -6,8 +6,7 @@ A small model's step is bound by the host launching ~1,000 kernels, not by the G
 eager, 3 ms of GPU time), so both kinds of step replay graphs: pure-decode steps one per batch size, and prefill
 or mixed steps one per (token count, sequence count) bucket, whose padding tokens write no cache slot and whose
 padding sequences are empty (the varlen kernel's programs for them return at once). Steps that serve LoRA adapters
-replay graphs of their own, captured the first time a step of that key needs one, that apply the adapters packed
-in service.model.lora.AdapterSlots; steps whose adapters do not fit the slots run eagerly.
+run eagerly: the adapters are forward hooks (service/model/lora.py).
 
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
@@ -30,7 +29,7 @@ PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence cos
 
 class ModelRunner:
     def __init__(self, model, block_size: int, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_prefill_graph_tokens: int = 0, max_loras: int = 4, max_lora_rank: int = 16):
+                 max_prefill_graph_tokens: int = 0):
         self.model = model
         self.cfg = model.config
         self.block_size = block_size
@@ -46,9 +45,6 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}  # their outputs
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
         self.prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
-        self.lora_graphs: dict = {}  # (graph, output) with adapters, by a decode or prefill graph's key
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
-        self.lora_slots = None  # AdapterSlots, made when an adapter is first served in a graph
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -113,9 +109,7 @@ class ModelRunner:
         else:
             key = next((k for k in self.prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
             graphs = (self.prefill_graphs, self.prefill_hidden)
-        graph = None
-        if key is not None:
-            graph = self._lora_graph(key, adapters) if any(adapters) else (graphs[0][key], graphs[1][key])
+        graph = None if key is None or any(adapters) else (graphs[0][key], graphs[1][key])
         if graph is not None and decode:
             # A decode step samples every row. (Indexing with a host list would copy it to the device with a
             # blocking copy, which waits for the step in flight: no overlap.)
@@ -273,39 +267,6 @@ class ModelRunner:
                                  max_seqlen_k=self.max_model_len)
         ids, positions = s["input_ids"][:t], s["positions"][:t]
         return lambda: self.model(ids, positions, meta)
-
-    def _lora_graph(self, key: int | tuple[int, int], token_adapters: list[str | None]):
-        """(graph, output) for the decode graph key (batch size) or prefill graph key (tokens, sequences) with
-        these adapters applied: their slots loaded and each row's mask written. None when they cannot all be
-        served from slots (the step then runs eagerly)."""
-        from service.model.lora import AdapterSlots, activate
-
-        registry = self.model.lora_adapters
-        distinct = list({name: registry[name] for name in token_adapters if name}.values())
-        if self.lora_slots is None:
-            rows = max([max(self.graphs)] + [t for t, _ in self.prefill_graphs])
-            self.lora_slots = AdapterSlots(self.model, self.max_loras, self.max_lora_rank, rows, self.device,
-                                           self.dtype)
-        slots = self.lora_slots.assign(distinct)
-        if slots is None:
-            return None
-        decode = isinstance(key, int)
-        if key not in self.lora_graphs:
-            # Captured while serving, the first time a step needs it: no step is in flight after the synchronize,
-            # and with every slot -1 the capture's own forwards write nothing into the cache.
-            torch.cuda.synchronize(self.device)
-            (self.static if decode else self.prefill_static)["slot_mapping"].fill_(-1)
-            with activate(self.lora_slots):
-                self.lora_graphs[key] = self._capture(self._decode_forward(key) if decode
-                                                      else self._prefill_forward(key))
-            log.info("captured a CUDA graph with LoRA adapters for %s %s", "batch size" if decode else
-                     "(tokens, sequences)", key)
-        none = self.max_loras  # the patterns' all-zero row: the base model
-        rows = [slots[id(registry[name])] if name else none for name in token_adapters]
-        width = key if decode else key[0]
-        torch.index_select(self.lora_slots.patterns, 0, self._tensor(rows + [none] * (width - len(rows)), torch.long),
-                           out=self.lora_slots.mask[:width])
-        return self.lora_graphs[key]
 
     @torch.inference_mode()
     def _replay(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, bs: int, batch: ScheduledBatch,

@@ -9,9 +9,7 @@ Which adapter applies to which rows is per thread (threading.local), so a traini
 and an engine step in another can run through the same modules at once:
 - training: `with activate([(adapter, None)])`, the adapter applies to every row;
 - serving: `with serving_adapters(model, names)` with one adapter name (or None = base) per flat token row;
-  each distinct adapter of the batch adds its update to its own rows (a loop over the few adapters present);
-- serving in CUDA graphs: `with activate(slots)`, an AdapterSlots: a few LoRA adapters packed into fixed
-  buffers and picked per row by a mask, with static shapes, so a decode graph can hold the adapters' work.
+  each distinct adapter of the batch adds its update to its own rows (a loop over the few adapters present).
 """
 import contextlib
 import json
@@ -118,76 +116,11 @@ def target_linears(model: nn.Module, targets=TARGETS) -> dict[str, nn.Linear]:
     return found
 
 
-class AdapterSlots:
-    """LoRA adapters packed for batched serving with static shapes. Slot s holds, for every target projection,
-    A_s in rows [s*R, (s+1)*R) of a [S*R, in] matrix and scale * B_s in the same columns of an [out, S*R] one
-    (zero-padded to R = max_rank; zero where the adapter leaves a projection alone). A step writes each token
-    row's slot into `mask` ([tokens, S*R]: ones over its slot's R columns, zeros for the base model); then every
-    projection adds ((x @ A^T) * mask) @ B^T: two matmuls whatever the mix of adapters in the batch. The buffers
-    never move, so CUDA graphs captured with them serve whichever adapters are loaded at replay."""
-
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, max_tokens: int, device, dtype):
-        self.num_slots, self.max_rank = num_slots, max_rank
-        width = num_slots * max_rank
-        self.a = {n: torch.zeros(width, m.in_features, device=device, dtype=dtype)
-                  for n, m in target_linears(model).items()}
-        self.b = {n: torch.zeros(m.out_features, width, device=device, dtype=dtype)
-                  for n, m in target_linears(model).items()}
-        self.mask = torch.zeros(max_tokens, width, device=device, dtype=dtype)
-        # Row s: ones over slot s; the last row (index num_slots): the base model, all zeros.
-        self.patterns = torch.zeros(num_slots + 1, width, device=device, dtype=dtype)
-        for slot in range(num_slots):
-            self.patterns[slot, slot * max_rank:(slot + 1) * max_rank] = 1
-        self.loaded: list[Adapter | None] = [None] * num_slots
-        self.last_used = [0] * num_slots
-        self.steps = 0
-
-    def fits(self, adapter: Adapter) -> bool:
-        return not adapter.config.full and adapter.config.rank <= self.max_rank
-
-    def assign(self, adapters: list[Adapter]) -> dict[int, int] | None:
-        """Slots of the distinct adapters of a step (by id), loading those not in a slot into the least recently
-        used others; None when they do not all fit (the step then runs eagerly, with hooks)."""
-        if len(adapters) > self.num_slots or not all(map(self.fits, adapters)):
-            return None
-        self.steps += 1
-        slots = {}
-        for adapter in adapters:
-            slot = next((i for i, held in enumerate(self.loaded) if held is adapter), None)
-            if slot is None:
-                taken = set(slots.values())
-                slot = min((i for i in range(self.num_slots) if i not in taken), key=self.last_used.__getitem__)
-                self._load(slot, adapter)
-            slots[id(adapter)] = slot
-            self.last_used[slot] = self.steps
-        return slots
-
-    def _load(self, slot: int, adapter: Adapter) -> None:
-        """Stream-ordered copies: a step in flight that read this slot's adapter was enqueued before them, so it
-        has finished with it by then (and the step being prepared does not use that adapter)."""
-        cols = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        for name in self.a:
-            self.a[name][cols].zero_()
-            self.b[name][:, cols].zero_()
-            if name in adapter.weights:
-                a, b = adapter.weights[name]
-                self.a[name][cols][:a.shape[0]] = a
-                self.b[name][:, cols][:, :b.shape[1]] = b * adapter.scale
-        self.loaded[slot] = adapter
-
-    def apply(self, name: str, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
-        low = (x2 @ self.a[name].t()) * self.mask[:x2.shape[0]]
-        return torch.addmm(output.reshape(-1, output.shape[-1]), low, self.b[name].t()).view(output.shape)
-
-
 def _hook(module, inputs, output):
     active = getattr(_local, "active", None)
     if not active:
         return None
     x = inputs[0]
-    if isinstance(active, AdapterSlots):
-        return active.apply(module._lora_name, x, output)
     for adapter, rows in active:
         if module._lora_name not in adapter.weights:
             continue
@@ -227,7 +160,7 @@ def remove_adapter(model: nn.Module, name: str) -> None:
 
 
 @contextlib.contextmanager
-def activate(active: list[tuple[Adapter, torch.Tensor | None]] | AdapterSlots):
+def activate(active: list[tuple[Adapter, torch.Tensor | None]]):
     """Applies the adapters to the forwards run by this thread inside the block."""
     previous = getattr(_local, "active", None)
     _local.active = active
@@ -247,7 +180,4 @@ def serving_adapters(model: nn.Module, token_adapters: list[str | None], device)
     for i, name in enumerate(token_adapters):
         if name is not None:
             rows.setdefault(name, []).append(i)
-    # Row indices from pinned memory without waiting: a blocking copy would wait for the step in flight.
-    pinned = torch.device(device).type == "cuda"
-    return activate([(registry[name], torch.tensor(r, pin_memory=pinned).to(device, non_blocking=True))
-                     for name, r in rows.items()])
+    return activate([(registry[name], torch.tensor(r, device=device)) for name, r in rows.items()])
