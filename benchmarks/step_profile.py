@@ -126,28 +126,39 @@ def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:
             "engine_ttft_profile": text.getvalue()[-3500:]}
 
 
-def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) -> float:
-    """Mean decode step at this batch when adapter_rows of its sequences ask for a (random, rank 8) LoRA
-    adapter: the graphs with adapter slots, against decode_profile's steps without."""
-    from service.model.lora import Adapter, LoRAConfig, add_adapter
-
-    engine = llm.engine
-    adapter = Adapter.init(engine.model, LoRAConfig(rank=8), seed=0)
-    add_adapter(engine.model, "profile", adapter.to(engine.device, engine.model.lm_head.weight.dtype))
-    params = SamplingParams(max_new_tokens=3 * steps, temperature=0.0, ignore_eos=True)
+def _decode_steps(engine, batch: int, steps: int, adapter_rows: int = 0) -> float:
+    """Starts `batch` requests (the first adapter_rows on the adapter "profile"), runs them into steady decoding,
+    and returns the mean wall time of the next `steps` overlapped steps."""
+    params = SamplingParams(max_new_tokens=4 * steps, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"lora-{i}", list(range(3, 131)), params, adapter="profile" if i < adapter_rows else None)
-    for _ in range(10):  # the prefill, the first decodes, and the adapter graphs' capture
+        engine.add_request(f"decode-{batch}-{adapter_rows}-{i}", list(range(3, 131)), params,
+                           adapter="profile" if i < adapter_rows else None)
+    for _ in range(10):  # the prefill and the first decodes
         engine.step()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    step_ms = 1e3 * (time.perf_counter() - start) / steps
+    return 1e3 * (time.perf_counter() - start) / steps
+
+
+def _finish(engine) -> None:
     for rid in list(engine.requests):
         engine.abort(rid)
     while engine.has_work:
         engine.step()
+
+
+def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) -> float:
+    """Mean decode step at this batch when adapter_rows of its sequences ask for a (random, rank 8) LoRA adapter,
+    against decode_profile's steps without: a step with an adapter runs eagerly, with the adapter's hooks."""
+    from service.model.lora import Adapter, LoRAConfig, add_adapter
+
+    engine = llm.engine
+    adapter = Adapter.init(engine.model, LoRAConfig(rank=8), seed=0)
+    add_adapter(engine.model, "profile", adapter.to(engine.device, engine.model.lm_head.weight.dtype))
+    step_ms = _decode_steps(engine, batch, steps, adapter_rows)
+    _finish(engine)
     print(f"decode batch {batch} with {adapter_rows} adapter rows: {step_ms:.3f} ms per step")
     return step_ms
 
@@ -155,16 +166,7 @@ def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) ->
 def decode_profile(llm, batch: int, steps: int = 200) -> dict:
     """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile."""
     engine = llm.engine
-    params = SamplingParams(max_new_tokens=3 * steps, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"decode-{batch}-{i}", list(range(3, 131)), params)
-    for _ in range(10):  # the prefill and the first decodes
-        engine.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_ms = 1e3 * (time.perf_counter() - start) / steps
+    step_ms = _decode_steps(engine, batch, steps)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -172,10 +174,7 @@ def decode_profile(llm, batch: int, steps: int = 200) -> dict:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
-    for rid in list(engine.requests):
-        engine.abort(rid)
-    while engine.has_work:
-        engine.step()
+    _finish(engine)
     return {"step_ms": step_ms, "profile": text.getvalue()[-3500:]}
 
 
