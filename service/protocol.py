@@ -24,7 +24,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     temperature: float = 1.0  # 0 (or anything below GREEDY_TEMPERATURE) means greedy
     top_k: int = 0  # 0 disables
     top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # > 1 discourages every token of the prompt and the output
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once per time it was generated
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far
+    logit_bias: dict[int, float] = {}  # added to those tokens' logits
+    min_p: float = 0.0  # drops tokens less likely than min_p times the most likely one
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end generation before this many tokens
     seed: int | None = None  # same seed -> same tokens
     stop: list[str] = []
     include_stop_str_in_output: bool = False  # TGI returns the stop string, OpenAI does not
@@ -36,6 +41,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties read the tokens generated so far: the host must know the last one before sampling."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
 
 # -- front-end -> core ------------------------------------------------------------------------------------

@@ -123,8 +123,14 @@ COMMON_BAD = [
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
     ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": 1}, "frequency_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"the": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 3}, "min_tokens"),  # beyond max_tokens (2)
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": ""}, "stop"),
     ({"seed": "x"}, "seed"),
@@ -156,3 +162,23 @@ def test_validation_errors(base_url, route, valid, specific):
         r = httpx.post(base_url + route, content=content)
         assert r.status_code == 400 and needle in r.json()["error"]["message"]
     assert httpx.post(base_url + route, json=valid).status_code == 200
+
+
+def test_penalties_min_p_and_logit_bias_act_as_documented(client):
+    """Greedy text from the embedded model repeats itself; OpenAI's penalties (counted on the generated tokens)
+    make it repeat less, a logit_bias of +100 makes one token win every step, and min_p = 1 leaves only the most
+    likely token (sampling then equals greedy)."""
+    def tokens(**controls):
+        out = client.completions.create(model="tiny", prompt="the the the", max_tokens=24, logprobs=1,
+                                        **({"temperature": 0} | controls))
+        return out.choices[0].logprobs.tokens
+
+    base = tokens()
+    assert len(set(base)) < len(base)  # it does repeat
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        penalized = tokens(**penalty)
+        assert penalized != base and len(set(penalized)) > len(set(base)), penalty
+    assert tokens(temperature=1.0, seed=3, extra_body={"min_p": 1.0}) == base
+    assert tokens(temperature=1.0, seed=3) != base  # without min_p this draw leaves the greedy path
+    forced = {token: tokens(logit_bias={str(token): 100}) for token in (42, 43)}
+    assert all(len(set(t)) == 1 for t in forced.values()) and forced[42][0] != forced[43][0]

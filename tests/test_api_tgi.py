@@ -104,7 +104,7 @@ BAD_REQUESTS = [
     ({"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, "parameters.stop"),
     ({"inputs": "a", "parameters": {"stop": [""]}}, "parameters.stop"),
     ({"inputs": "a", "parameters": {"best_of": 2}}, "parameters.best_of"),
-    ({"inputs": "a", "parameters": {"frequency_penalty": 0.5}}, "parameters.frequency_penalty"),
+    ({"inputs": "a", "parameters": {"frequency_penalty": 2.5}}, "parameters.frequency_penalty"),
     ({"inputs": "a", "parameters": {"max_tokens": 5}}, "parameters.max_tokens"),
     ({"inputs": "a", "parameters": {"adapter_id": "no-such-adapter"}}, "parameters.adapter_id"),
     ({"inputs": "a", "parameters": {"max_new_tokens": 4096}}, "parameters.max_new_tokens"),

@@ -198,6 +198,43 @@ def test_sampler_filters():
     assert all(a != b for a, b in zip(penalized, greedy))
 
 
+def test_sampler_penalties_bias_bans_and_min_p():
+    """OpenAI's controls as vLLM applies them, against what they must do to a greedy choice or a draw."""
+    sampler = Sampler()
+    logits = torch.zeros(2, 10)
+    logits[:, 5], logits[:, 6] = 3.0, 2.0  # 5 leads 6 by 1.0
+    seen, prompt_lens = [[5, 1, 5, 5], [5, 1, 5, 5]], [1, 1]  # row outputs: 1, 5, 5 (the prompt's 5 is not counted)
+
+    def greedy(**controls):
+        params = [SamplingParams(temperature=0.0, **controls)] * 2
+        return sampler(logits.clone(), params, [None] * 2, seen, prompt_lens).fetch()[0][0]
+
+    assert greedy() == 5
+    assert greedy(frequency_penalty=0.4) == 5 and greedy(frequency_penalty=0.6) == 6  # twice: 0.8 < 1 < 1.2
+    assert greedy(presence_penalty=0.9) == 5 and greedy(presence_penalty=1.1) == 6  # once, however many times
+    assert greedy(frequency_penalty=-1.0) == 5
+    assert greedy(logit_bias={2: 3.5}) == 2 and greedy(logit_bias={5: -1.5}) == 6
+    banned = sampler(logits.clone(), [SamplingParams(temperature=0.0)] * 2, [None] * 2, banned=[[5], []]).fetch()[0]
+    assert banned == [6, 5]
+    # min_p: p(5) = 0.57, p(6) = 0.21 = 0.37 p(5), the others 0.03 = 0.05 p(5) each
+    draws = {}
+    for min_p in (0.4, 0.1):
+        params = [SamplingParams(temperature=1.0, min_p=min_p)] * 2
+        draws[min_p] = {t for _ in range(200) for t in sampler(logits.clone(), params, [None] * 2).fetch()[0]}
+    assert draws[0.4] == {5} and draws[0.1] == {5, 6}
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(model_dir):
+    llm = make_llm(model_dir, num_kv_blocks=64)
+    first = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    stop_at_first = SamplingParams(max_new_tokens=10, temperature=0.0, stop_token_ids=[first[0]])
+    assert llm.generate([[5, 6, 7]], stop_at_first)[0].token_ids == [first[0]]
+    held = msgspec.structs.replace(stop_at_first, min_tokens=4)
+    out = llm.generate([[5, 6, 7]], held)[0]
+    assert len(out.token_ids) >= 4 and first[0] not in out.token_ids[:3] and out.token_ids[0] != first[0]
+    assert_no_leaks(llm)
+
+
 def test_detokenizer_utf8_and_stop_holdback(model_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -45,8 +45,10 @@ def _sampling_params(req: OpenAIRequest, max_new_tokens: int, logprobs: bool, to
     return SamplingParams(
         max_new_tokens=max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
-        repetition_penalty=req.repetition_penalty or 1.0, seed=req.seed, stop=req.stop or [],
-        logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=req.ignore_eos)
+        repetition_penalty=req.repetition_penalty or 1.0, frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0, logit_bias=req.logit_bias or {}, min_p=req.min_p or 0.0,
+        min_tokens=req.min_tokens or 0, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
+        top_logprobs=top_logprobs, ignore_eos=req.ignore_eos)
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -76,6 +78,12 @@ class _Call:
         prompt_param = "prompt" if endpoint == "completions" else "messages"
         max_new_tokens = fit_context(len(prompt_ids), max_tokens, default_max_tokens, client.max_model_len,
                                      prompt_param, "max_tokens")
+        if any(token >= client.info.vocab_size for token in req.logit_bias or {}):
+            raise APIError(422, f"logit_bias: token ids must be below the vocabulary size {client.info.vocab_size}",
+                           param="logit_bias")
+        if (req.min_tokens or 0) > max_new_tokens:
+            raise APIError(422, f"min_tokens: more than the {max_new_tokens} tokens this request may generate",
+                           param="min_tokens")
         self.params = _sampling_params(req, max_new_tokens, logprobs, top_logprobs)
         self.generation = await Generation.submit(request, endpoint, prompt_ids, self.params, adapter, prompt_param)
         self.id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{self.generation.engine_id}"

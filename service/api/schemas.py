@@ -55,7 +55,18 @@ def _message_text(value):
     raise ValueError('must be a string or a list of {"type": "text", "text": ...} parts')
 
 
+def _token_bias(value):
+    """OpenAI's logit_bias: token ids as JSON object keys (strings) -> int keys."""
+    if value is None:
+        return value
+    if not all(isinstance(k, str) and k.isdigit() and int(k) < 2**31 for k in value):
+        raise ValueError("keys must be token ids (strings of digits)")
+    return {int(k): v for k, v in value.items()}
+
+
 Stop = Annotated[list[str] | None, BeforeValidator(_stop_strings)]
+Penalty = Annotated[float | None, Field(ge=-2, le=2)]
+LogitBias = Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]] | None, AfterValidator(_token_bias)]
 
 
 class _Body(BaseModel):
@@ -83,7 +94,7 @@ class TGIParameters(_Body):
     best_of: Annotated[int | None, _only(1)] = None
     top_n_tokens: Annotated[int | None, _only(0)] = None
     typical_p: Annotated[float | None, _only(1.0)] = None
-    frequency_penalty: Annotated[float | None, _only(0.0, "; use repetition_penalty")] = None
+    frequency_penalty: Penalty = None
     watermark: Annotated[bool | None, _only(False)] = None
     grammar: Annotated[dict | None, _only(None)] = None
 
@@ -110,12 +121,14 @@ class OpenAIRequest(_Body):
     seed: int | None = Field(None, ge=-(2 ** 63), lt=U64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float | None, Field(ge=-2, le=2), _only(0.0)] = None
-    frequency_penalty: Annotated[float | None, Field(ge=-2, le=2), _only(0.0, "; use repetition_penalty")] = None
-    logit_bias: Annotated[dict[str, float] | None, _only({})] = None
+    presence_penalty: Penalty = None
+    frequency_penalty: Penalty = None
+    logit_bias: LogitBias = None
     user: str | None = None
     # extensions (as in vLLM)
     top_k: int | None = Field(None, ge=0, le=MAX_TOP_K)
+    min_p: float | None = Field(None, ge=0, le=1)
+    min_tokens: int | None = Field(None, ge=0, lt=2**31)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
 

@@ -39,6 +39,7 @@ def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
         max_new_tokens=max_new_tokens,
         temperature=(p.temperature or 1.0) if sample else 0.0,
         top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty or 0.0,
         seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True,
         ignore_eos=p.ignore_eos)
 

@@ -5,7 +5,8 @@ sampler. The engine core process and the offline LLM drive it; it knows token id
 Steps overlap when async scheduling is on (the default on CUDA): step() schedules and launches step N+1 before it
 waits for step N's sampled tokens, so the host's work for N+1 runs while the GPU computes N, and the only wait
 is the copy of N's tokens. A request that ends in step N (EOS) has already been scheduled into N+1; that token is
-dropped. Requests whose sampling needs the previous token on the host (repetition penalty) make that step wait.
+dropped. Requests whose sampling needs the previous token on the host (the repetition, frequency and presence
+penalties) make that step wait.
 """
 import gc
 import logging
@@ -131,9 +132,15 @@ class LLMEngine:
         if params.max_new_tokens < 1:
             raise RequestRejected("max_new_tokens must be >= 1")
         if not (0 <= params.temperature < math.inf and 0 < params.top_p <= 1 and 0 <= params.top_k <= MAX_TOP_K
-                and 0 < params.repetition_penalty < math.inf):
+                and 0 < params.repetition_penalty < math.inf and 0 <= params.min_p <= 1):
             raise RequestRejected(f"need 0 <= temperature < inf, 0 < top_p <= 1, 0 <= top_k <= {MAX_TOP_K}, "
-                                  "0 < repetition_penalty < inf")
+                                  "0 < repetition_penalty < inf, 0 <= min_p <= 1")
+        if not (-2 <= params.frequency_penalty <= 2 and -2 <= params.presence_penalty <= 2):
+            raise RequestRejected("frequency_penalty and presence_penalty must be in [-2, 2]")
+        if any(not 0 <= t < vocab or not -100 <= b <= 100 for t, b in params.logit_bias.items()):
+            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab}) and biases in [-100, 100]")
+        if not 0 <= params.min_tokens <= params.max_new_tokens:
+            raise RequestRejected("min_tokens must be in [0, max_new_tokens]")
         if params.seed is not None and not -2**63 <= params.seed < 2**64:
             raise RequestRejected("seed must be in [-2**63, 2**64)")
         if params.top_logprobs < 0 or params.top_logprobs > 20:
@@ -193,8 +200,8 @@ class LLMEngine:
         outputs = []
         # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
         with torch.inference_mode():
-            if self._in_flight is not None and any(s.params.repetition_penalty != 1.0 for s in self._in_flight.seqs):
-                outputs += self._complete()  # the penalty needs the token in flight on the host
+            if self._in_flight is not None and any(s.params.needs_history for s in self._in_flight.seqs):
+                outputs += self._complete()  # the penalties need the token in flight on the host
             batch = self.scheduler.schedule()
             launched = self._launch(batch, outputs) if batch.seqs else None
             if self._in_flight is not None:
@@ -219,8 +226,11 @@ class LLMEngine:
             seqs = [batch.seqs[i] for i in index]
             sampled = None
             if seqs:
-                seen = [s.token_ids for s in seqs] if any(s.params.repetition_penalty != 1.0 for s in seqs) else None
-                sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs], seen)
+                history = any(s.params.needs_history for s in seqs)
+                banned = [self._banned(s) for s in seqs] if any(s.params.min_tokens for s in seqs) else None
+                sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                       [s.token_ids for s in seqs] if history else None,
+                                       [s.num_prompt_tokens for s in seqs] if history else None, banned)
         except Exception as e:
             outputs += self._fail(batch.seqs, e)
             return None
@@ -230,6 +240,14 @@ class LLMEngine:
             seq.token_ids.append(PENDING)
             seq.pending_row = row
         return _InFlight(batch, sampled, seqs, positions)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """The tokens that would end seq before its min_tokens (its token ids hold every earlier token, the one
+        still in flight as PENDING included)."""
+        if len(seq.token_ids) - seq.num_prompt_tokens >= seq.params.min_tokens:
+            return []
+        ends = set(seq.params.stop_token_ids) | (set() if seq.params.ignore_eos else self.eos_token_ids)
+        return sorted(ends)
 
     def _complete(self) -> list[RequestOutput]:
         """Reads the in-flight step's tokens, fills them in, and reports them (finishing requests that end)."""

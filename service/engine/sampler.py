@@ -41,6 +41,8 @@ def _on_device(data, device, dtype=None) -> torch.Tensor:
 def _apply_repetition_penalty(logits, penalties, seen: list[list[int]]):
     """Penalize every token already in a row's prompt or output: positive logits divided, negative multiplied."""
     rows = [i for i, p in enumerate(penalties) if p != 1.0]
+    if not rows:
+        return logits
     width = max(len(seen[i]) for i in rows)
     # Pad with a row's own first token: duplicates compute and scatter the same value.
     ids = _on_device([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows], logits.device)
@@ -50,6 +52,34 @@ def _apply_repetition_penalty(logits, penalties, seen: list[list[int]]):
     p = _on_device([penalties[i] for i in rows], logits.device, logits.dtype)[:, None]
     logits[row_idx] = sub.scatter(1, ids, torch.where(vals > 0, vals / p, vals * p))
     return logits
+
+
+def _apply_output_penalties(logits, params: list[SamplingParams], seen: list[list[int]], prompt_lens: list[int]):
+    """OpenAI's penalties on the tokens generated so far (seen past the prompt): frequency_penalty times each
+    token's count, plus presence_penalty once for every token that occurred, subtracted from the logits."""
+    rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+    if not rows:
+        return logits
+    outputs = {i: seen[i][prompt_lens[i]:] for i in rows}
+    device = logits.device
+    width = max(1, max(len(outputs[i]) for i in rows))
+    ids = _on_device([outputs[i] + [0] * (width - len(outputs[i])) for i in rows], device)
+    lengths = _on_device([len(outputs[i]) for i in rows], device)
+    valid = (torch.arange(width, device=device)[None, :] < lengths[:, None]).to(logits.dtype)
+    counts = torch.zeros(len(rows), logits.shape[-1], device=device, dtype=logits.dtype).scatter_add_(1, ids, valid)
+    frequency = _on_device([params[i].frequency_penalty for i in rows], device, logits.dtype)[:, None]
+    presence = _on_device([params[i].presence_penalty for i in rows], device, logits.dtype)[:, None]
+    index = _on_device(rows, device)
+    logits[index] = logits[index] - frequency * counts - presence * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _add_at(logits, entries: list[tuple[int, int, float]]) -> None:
+    """logits[row, token] += value for each (row, token, value), in one device operation."""
+    rows, tokens, values = zip(*entries)
+    device = logits.device
+    logits.index_put_((_on_device(rows, device), _on_device(tokens, device)),
+                      _on_device(values, device, logits.dtype), accumulate=True)
 
 
 def _top_k_top_p(logits, top_k, top_p):
@@ -80,13 +110,22 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
-                 seen_tokens: list[list[int]] | None = None) -> Sampled:
+                 seen_tokens: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
+                 banned: list[list[int]] | None = None) -> Sampled:
         """logits [batch, vocab] (any float dtype) -> one token per row. generators: torch.Generator or None per
-        row; seen_tokens: each row's prompt + output tokens, needed only for the repetition penalty."""
+        row; seen_tokens: each row's prompt + output tokens and prompt_lens the prompts' lengths, needed only for
+        the penalties; banned: per row, tokens that must not be sampled (EOS before min_tokens).
+
+        In vLLM's order: penalties, logit bias, bans, then temperature, top-k / top-p, min-p, and the draw."""
         logits = logits.float()
         device = logits.device
-        if any(p.repetition_penalty != 1.0 for p in params):
+        if any(p.needs_history for p in params):
             logits = _apply_repetition_penalty(logits, [p.repetition_penalty for p in params], seen_tokens)
+            logits = _apply_output_penalties(logits, params, seen_tokens, prompt_lens)
+        if any(p.logit_bias for p in params):
+            _add_at(logits, [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()])
+        if banned and any(banned):
+            _add_at(logits, [(i, t, float("-inf")) for i, ids in enumerate(banned) for t in ids])
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(-1)
@@ -100,6 +139,10 @@ class Sampler:
                 is_greedy = _on_device(greedy, device)[:, None]
                 logits = torch.where(is_greedy, logits, filtered)
             probs = logits.softmax(-1)
+            if any(p.min_p > 0.0 for p in params):  # never drops a row's most likely token: greedy rows keep theirs
+                min_p = _on_device([p.min_p for p in params], device)[:, None]
+                logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+                probs = logits.softmax(-1)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, batched.
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(generators):
