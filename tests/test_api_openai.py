@@ -182,3 +182,32 @@ def test_penalties_min_p_and_logit_bias_act_as_documented(client):
     assert tokens(temperature=1.0, seed=3) != base  # without min_p this draw leaves the greedy path
     forced = {token: tokens(logit_bias={str(token): 100}) for token in (42, 43)}
     assert all(len(set(t)) == 1 for t in forced.values()) and forced[42][0] != forced[43][0]
+
+
+def test_tokenize_and_detokenize_in_vllm_and_tgi_shapes(base_url):
+    from service.config import DEFAULT_MODEL_DIR
+    from service.text import encode_chat, load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    text = "import os\nprint(os.getcwd())"
+    r = httpx.post(f"{base_url}/tokenize", json={"model": "tiny", "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == tokenizer.encode(text) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
+    chat = httpx.post(f"{base_url}/tokenize", json={"messages": MESSAGES}).json()
+    assert chat["tokens"] == encode_chat(tokenizer, MESSAGES, add_generation_prompt=True)
+    back = httpx.post(f"{base_url}/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(r["tokens"])} and text in back["prompt"]
+    tgi = httpx.post(f"{base_url}/tokenize", json={"inputs": text}).json()  # TGI's: ids with text and offsets
+    assert [t["id"] for t in tgi] == tokenizer.encode(text)
+    assert all(text[t["start"]:t["stop"]] == t["text"] for t in tgi) and "".join(t["text"] for t in tgi) == text
+    for route, body, param in [("/tokenize", {"prompt": text, "messages": MESSAGES}, "prompt"),
+                               ("/tokenize", {}, "prompt"),
+                               ("/tokenize", {"prompt": text, "model": "nope"}, "model"),
+                               ("/tokenize", {"inputs": ""}, "inputs"),
+                               ("/detokenize", {"tokens": [10 ** 8]}, "tokens"),
+                               ("/detokenize", {"tokens": [-1]}, "tokens.0"),
+                               ("/detokenize", {"tokens": "1 2"}, "tokens")]:
+        answer = httpx.post(base_url + route, json=body)
+        assert answer.status_code in (404, 422), (body, answer.text)
+        error = answer.json()
+        assert param in str(error), (body, error)

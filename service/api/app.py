@@ -12,7 +12,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from service.api import finetune_routes, openai_routes, tgi_routes
+from service.api import finetune_routes, openai_routes, tgi_routes, tokenize_routes
 from service.api.auth import protected_groups, require_any_api_key, require_api_key
 from service.api.engine_client import EngineClient
 from service.api.errors import RETRY_AFTER_SECONDS, APIError, error_response, install_handlers
@@ -73,6 +73,7 @@ def create_app(settings: Settings, engine_address: str, name: str | None = None,
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
     app.include_router(finetune_routes.router)
+    app.include_router(tokenize_routes.router)
 
     @app.get("/health")
     async def health(request: Request):

@@ -47,9 +47,12 @@ def parse_json(body: bytes):
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_body") from None
 
 
-async def read_json(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
-    data = parse_json(await read_body(request, max_bytes))
+def validated(model: type[BaseModel], data) -> BaseModel:
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise validation_error(e) from None
+
+
+async def read_json(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    return validated(model, parse_json(await read_body(request, max_bytes)))

@@ -32,7 +32,8 @@ BASE_MODEL_ALIASES = {"tgi", "dummy"}
 router = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key("openai"))])
 
 
-def _adapter(client, model: str) -> str | None:
+def resolve_model(client, model: str) -> str | None:
+    """The adapter a `model` names (None: the base model), or 404."""
     if model == client.model_name or model in BASE_MODEL_ALIASES:
         return None
     if model in client.served_models():
@@ -71,7 +72,7 @@ class _Call:
         self = cls()
         client = engine(request)
         self.tokenizer = client.tokenizer
-        adapter = _adapter(client, req.model)
+        adapter = resolve_model(client, req.model)
         check_stop(req.stop or [], request.app.state.settings.max_stop_sequences, "stop")
         if req.stream_options is not None and not req.stream:
             raise APIError(422, "stream_options: only allowed with stream=true", param="stream_options")

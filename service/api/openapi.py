@@ -7,11 +7,19 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from service.api.finetune_routes import CreateJobRequest
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, TGIRequest
+from service.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TGIRequest,
+    TGITokenizeRequest,
+    TokenizeRequest,
+)
 
 BODIES = {("/", "post"): TGIRequest, ("/generate", "post"): TGIRequest, ("/generate_stream", "post"): TGIRequest,
           ("/v1/completions", "post"): CompletionRequest, ("/v1/chat/completions", "post"): ChatCompletionRequest,
-          ("/v1/fine_tuning/jobs", "post"): CreateJobRequest}
+          ("/v1/fine_tuning/jobs", "post"): CreateJobRequest, ("/detokenize", "post"): DetokenizeRequest,
+          ("/tokenize", "post"): (TGITokenizeRequest, TokenizeRequest)}  # a tuple: either body
 # Routes answering with server-sent events: always (True), or when the body asks for a stream (False).
 STREAMS = {"/": False, "/generate_stream": True, "/v1/completions": False, "/v1/chat/completions": False}
 SSE_EVENT = {"type": "object", "required": ["data"],  # data: a JSON event (a token, a chunk, an error) or [DONE]
@@ -54,8 +62,10 @@ def openapi_schema(app: FastAPI) -> dict:
         error = errors["openai" if path.startswith("/v1/") else "tgi"]
         for method, operation in operations.items():
             if (path, method) in BODIES:
-                operation["requestBody"] = {"required": True, "content": {
-                    "application/json": {"schema": _ref(BODIES[path, method], components)}}}
+                models = BODIES[path, method]
+                body = ({"oneOf": [_ref(m, components) for m in models]} if isinstance(models, tuple)
+                        else _ref(models, components))
+                operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
             responses = operation.setdefault("responses", {})
             for status, description in ERROR_STATUSES.items():
                 responses[status] = {"description": description, "content": {"application/json": {"schema": error}}}

@@ -159,3 +159,26 @@ class ChatCompletionRequest(OpenAIRequest):
     response_format: ResponseFormat | None = None
     tools: Annotated[list | None, _only([], " (no tool calling)")] = None
     tool_choice: Annotated[str | None, _only("none", " (no tool calling)")] = None
+
+
+# -- tokenization ------------------------------------------------------------------------------------------
+
+class TGITokenizeRequest(_Body):
+    """TGI's POST /tokenize."""
+    inputs: str = Field(min_length=1)
+    parameters: TGIParameters | None = None  # accepted as TGI clients send them; tokenizing reads none
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize: a prompt, or chat messages rendered by the model's template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=2**31)]]
