@@ -163,7 +163,7 @@ class RequestTimer:
             self.metrics.time_to_first_token.observe(now - self.arrival)
             if queue_seconds is not None:
                 self.metrics.queue_time.observe(queue_seconds)
-        else:
+        elif now != self.last_token:  # the request's other completions (n > 1) deliver in the same instant
             gaps.append(now - self.last_token)
         gaps.extend([0.0] * (count - 1))
         self.last_token = now

@@ -17,6 +17,13 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_TOP_K = 2**31 - 1  # any k beyond the vocabulary keeps every token
 
 
+class Grammar(msgspec.Struct, array_like=True):
+    """What the output must match (structured outputs): kind "json" (value: a JSON schema, or "" for any JSON
+    object) or "regex" (value: a regular expression)."""
+    kind: str
+    value: str = ""
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     """What a request asks of generation, independent of the HTTP schema that carried it. The engine core reads
     the sampling fields and the token-level stops; stop strings are matched by the front-end on the text."""
@@ -37,6 +44,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     logprobs: bool = False  # report the sampled token's logprob
     top_logprobs: int = 0
+    grammar: Grammar | None = None
+    n: int = 1  # completions of one prompt: they share its KV blocks, and child i draws with seed + i
 
     @property
     def greedy(self) -> bool:
@@ -44,8 +53,15 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     @property
     def needs_history(self) -> bool:
-        """The penalties read the tokens generated so far: the host must know the last one before sampling."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        """The penalties and grammars read the tokens generated so far: the host must know the last one before
+        sampling."""
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.grammar is not None)
+
+
+def choice_ids(request_id: str, n: int) -> list[str]:
+    """The engine's ids of a request's n completions: the request's own id, then one per further completion."""
+    return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
 
 
 # -- front-end -> core ------------------------------------------------------------------------------------
@@ -85,7 +101,7 @@ class EngineInfo(msgspec.Struct, tag=True, array_like=True):
 
 class Rejection(msgspec.Struct, array_like=True):
     request_id: str
-    reason: str  # "overloaded" (HTTP 429) or "invalid" (HTTP 422)
+    reason: str  # "overloaded" (HTTP 429), "invalid" (HTTP 422) or "grammar" (the grammar does not compile: 400)
     message: str
 
 

@@ -122,7 +122,10 @@ COMMON_BAD = [
     ({"temperature": 2.5}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.01}, "top_p"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 129}, "n"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logit_bias": {"the": 1}}, "logit_bias"),
@@ -138,12 +141,21 @@ COMMON_BAD = [
     ({"bogus": 1}, "bogus"),
     ({"model": None}, "model"),
 ]
-COMPLETIONS_BAD = [({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": 5}, "prompt"),
+COMPLETIONS_BAD = [({"prompt": ""}, "prompt"), ({"prompt": ["a", 5]}, "prompt"), ({"prompt": 5}, "prompt"),
+                   ({"prompt": []}, "prompt"), ({"prompt": ["a", ""]}, "prompt"), ({"prompt": ["a"] * 257}, "prompt"),
                    ({"prompt": [1, -1]}, "prompt"), ({"logprobs": 6}, "logprobs"),
-                   ({"prompt": "x = 1\n" * 2000}, "prompt"), ({"best_of": 3}, "best_of")]
+                   ({"prompt": "x = 1\n" * 2000}, "prompt"), ({"best_of": 0}, "best_of"),
+                   ({"n": 3, "best_of": 2}, "best_of"), ({"stream": True, "best_of": 2}, "best_of")]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 CHAT_BAD = [({"messages": []}, "messages"), ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
             ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages.0.content"),
-            ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools"),
+            ({"top_logprobs": 2}, "top_logprobs"), ({"tools": [{"type": "function"}]}, "tools.0.function"),
+            ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+            ({"tool_choice": "required"}, "tool_choice"), ({"tools": [TOOL, TOOL]}, "tools"),
+            ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+             "tool_choice.function.name"),
+            ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+             "response_format"),
             ({"messages": [{"role": "user", "content": "x = 1\n" * 2000}]}, "messages")]
 
 

@@ -103,7 +103,10 @@ BAD_REQUESTS = [
     ({"inputs": "a", "parameters": {"seed": -1}}, "parameters.seed"),
     ({"inputs": "a", "parameters": {"stop": ["a", "b", "c", "d", "e"]}}, "parameters.stop"),
     ({"inputs": "a", "parameters": {"stop": [""]}}, "parameters.stop"),
-    ({"inputs": "a", "parameters": {"best_of": 2}}, "parameters.best_of"),
+    ({"inputs": "a", "parameters": {"best_of": 2}}, "parameters.best_of"),  # greedy
+    ({"inputs": "a", "parameters": {"best_of": 0}}, "parameters.best_of"),
+    ({"inputs": "a", "parameters": {"grammar": {"type": "regex", "value": {"a": 1}}}}, "parameters.grammar.value"),
+    ({"inputs": "a", "parameters": {"grammar": {"type": "xml", "value": "a"}}}, "parameters.grammar.type"),
     ({"inputs": "a", "parameters": {"frequency_penalty": 2.5}}, "parameters.frequency_penalty"),
     ({"inputs": "a", "parameters": {"max_tokens": 5}}, "parameters.max_tokens"),
     ({"inputs": "a", "parameters": {"adapter_id": "no-such-adapter"}}, "parameters.adapter_id"),

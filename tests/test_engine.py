@@ -1,5 +1,8 @@
 """The engine end to end on a tiny random Llama (CPU, fp32): batching, preemption, prefix caching and chunked
 prefill never change greedy outputs; sampling, stops, aborts, errors; no KV block leaks."""
+import json
+import re
+
 import msgspec
 import pytest
 import torch
@@ -8,7 +11,7 @@ from tiny_models import VOCAB, make_tiny_model
 from service.engine.llm import LLM
 from service.engine.llm_engine import EngineStepError, RequestRejected
 from service.engine.sampler import Sampler
-from service.protocol import SamplingParams
+from service.protocol import Grammar, SamplingParams
 from service.text import TextStream
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
@@ -235,6 +238,84 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(model_dir):
     assert_no_leaks(llm)
 
 
+PERSON = {"type": "object", "required": ["name", "age", "tags", "home"], "properties": {
+    "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "tags": {"type": "array", "items": {"enum": ["red", "green"]}, "maxItems": 3},
+    "home": {"type": "object", "required": ["zip"],
+             "properties": {"zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_grammars_bind_their_rows_and_leave_the_others_free(model_dir, prompts, alone, async_scheduling):
+    """A random model's output matches each request's JSON schema or regex (and ends there, with EOS), whatever
+    the batch holds; free requests beside them keep their greedy tokens, with or without overlapped steps (where
+    the masks are filled while the next forward pass runs)."""
+    import jsonschema
+
+    llm = make_llm(model_dir, async_scheduling=async_scheduling, num_kv_blocks=256)
+    person = Grammar("json", json.dumps(PERSON))
+    json_params = SamplingParams(max_new_tokens=120, temperature=1.0, seed=5, grammar=person)
+    regex_params = SamplingParams(max_new_tokens=30, temperature=0.0, grammar=Grammar("regex", r"[a-z]{2,5}-\d{3}"))
+    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    any_json = SamplingParams(max_new_tokens=120, temperature=0.0, grammar=Grammar("json", json.dumps(flag)))
+    batch = [prompts[0], prompts[1], prompts[2], prompts[3], prompts[4]]
+    outs = llm.generate(batch, [json_params, GREEDY, regex_params, GREEDY, any_json])
+    # The text without the prompt's context: random prompt tokens can end inside a UTF-8 character.
+    texts = [llm.tokenizer.decode(o.token_ids[:-1]) for o in outs]
+    jsonschema.validate(json.loads(texts[0]), PERSON)
+    assert re.fullmatch(r"[a-z]{2,5}-\d{3}", texts[2]), texts[2]
+    jsonschema.validate(json.loads(texts[4]), flag)
+    assert [o.finish_reason for o in outs] == ["eos_token", "length", "eos_token", "length", "eos_token"]
+    assert outs[1].token_ids == alone[1] and outs[3].token_ids == alone[3]
+    with pytest.raises(RequestRejected, match="grammar: .*Unsupported type"):
+        llm.generate(prompts[0], SamplingParams(grammar=Grammar("json", '{"type": "bogus"}')))
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_n_completions_share_the_prompt_and_draw_with_their_own_seeds(model_dir, prompts, async_scheduling):
+    """n completions compute the prompt once (their KV is forked from it), greedy ones equal the single greedy
+    completion, and sampled completion i equals a single request with seed + i."""
+    llm = make_llm(model_dir, async_scheduling=async_scheduling, num_kv_blocks=128, enable_prefix_caching=False)
+    prompt = prompts[5]
+    prefill = []
+    step = llm.engine.step
+
+    def counting_step():
+        outputs, stats = step()
+        prefill.append(stats.num_prefill_tokens if stats else 0)
+        return outputs, stats
+
+    llm.engine.step = counting_step
+    greedy = llm.generate(prompt, msgspec.structs.replace(GREEDY, n=3))
+    assert sum(prefill) == len(prompt) and [o.index for o in greedy] == [0, 1, 2]
+    single = llm.generate(prompt, GREEDY)[0].token_ids
+    assert all(o.token_ids == single for o in greedy)
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11, ignore_eos=True)
+    many = [o.token_ids for o in llm.generate(prompt, msgspec.structs.replace(sampled, n=4))]
+    assert many == [llm.generate(prompt, msgspec.structs.replace(sampled, seed=11 + i))[0].token_ids
+                    for i in range(4)]
+    assert len({tuple(t) for t in many}) == 4
+    with pytest.raises(RequestRejected, match="n must be"):
+        llm.generate(prompt, msgspec.structs.replace(GREEDY, n=1000))
+    assert_no_leaks(llm)
+
+
+def test_aborting_the_first_completion_lets_the_others_run(model_dir, prompts):
+    """Completions wait on the first one's prompt; aborting it before then sends them on alone."""
+    llm = make_llm(model_dir, num_kv_blocks=128, max_num_batched_tokens=16)  # a chunked prompt: forks wait
+    engine = llm.engine
+    engine.add_request("r", prompts[5], msgspec.structs.replace(GREEDY, n=3))
+    engine.step()
+    engine.abort("r")
+    done = {}
+    while engine.has_work:
+        for out in engine.step()[0]:
+            done.setdefault(out.request_id, []).append(out.token_id)
+    assert sorted(done) == ["r#1", "r#2"] and all(len(t) == GREEDY.max_new_tokens for t in done.values())
+    assert_no_leaks(llm)
+
+
 def test_detokenizer_utf8_and_stop_holdback(model_dir):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(model_dir))
@@ -342,3 +423,26 @@ def test_cuda_graphs_match_eager(model_dir, prompts):
         assert bool(replays) == graphs
         assert_no_leaks(llm)
     assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+def test_grammars_and_forks_on_the_gpu_with_graphs_and_overlap(model_dir, prompts):
+    """On CUDA (graphs, overlapped steps, masks copied from pinned memory): grammar rows validate, n completions
+    fork from one prefill and, greedy, equal the single completion; free rows equal a run without the others."""
+    import jsonschema
+
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=64)
+    assert llm.engine.overlap and llm.engine.runner.graphs
+    free = [o.token_ids for o in llm.generate(prompts[:8], GREEDY)]
+    person = SamplingParams(max_new_tokens=120, temperature=1.0, seed=1, grammar=Grammar("json", json.dumps(PERSON)))
+    params = [person if i % 2 else GREEDY for i in range(8)] + [msgspec.structs.replace(GREEDY, n=4)]
+    outs = llm.generate(prompts[:8] + [prompts[8]], params)
+    for i, out in enumerate(outs[:8]):
+        if i % 2:
+            assert out.finish_reason == "eos_token"
+            jsonschema.validate(json.loads(llm.tokenizer.decode(out.token_ids[:-1])), PERSON)
+        else:
+            assert out.token_ids == free[i]
+    single = llm.generate(prompts[8], GREEDY)[0].token_ids
+    assert [o.token_ids for o in outs[8:]] == [single] * 4
+    assert_no_leaks(llm)

@@ -282,6 +282,36 @@ def test_diverging_loss_fails_the_job_not_the_server(server, trained):
     assert _greedy(client, trained[0])  # serving goes on
 
 
+def test_auto_tool_choice_parses_the_calls_a_model_makes(server, trained, tokenizer):
+    """A model taught to answer with a Hermes-format call (through its chat template's tools block) gets that
+    call parsed into tool_calls under tool_choice "auto", whole and streamed."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)
+    reply = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    data = "".join(json.dumps({"prompt": prompt, "completion": reply}) + "\n" for _ in range(4)).encode()
+    client = _client(server)
+    upload = client.files.create(file=("tools.jsonl", data), purpose="fine-tune")
+    job = _wait(client, client.fine_tuning.jobs.create(
+        model=trained[0], training_file=upload.id, suffix="tools", seed=3,
+        hyperparameters={"n_epochs": 60, "batch_size": 4, "learning_rate_multiplier": 10},
+        extra_body={"extra": {"lora_rank": 8}}).id)
+    assert job.status == "succeeded", job.error
+    out = client.chat.completions.create(model=job.fine_tuned_model, messages=messages, tools=[tool], max_tokens=40,
+                                         temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    chunks = list(client.chat.completions.create(model=job.fine_tuned_model, messages=messages, tools=[tool],
+                                                 max_tokens=40, temperature=0, stream=True))
+    (delta,) = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+    assert delta.function.name == "get_weather" and json.loads(delta.function.arguments) == {"city": "Paris"}
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_a_restarted_server_lists_and_serves_finished_jobs(server, trained, model_dir, finetune_dir):
     client = _client(server)
     before = {j.id: j.status for j in client.fine_tuning.jobs.list(limit=100).data}

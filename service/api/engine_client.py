@@ -33,6 +33,7 @@ from service.protocol import (
     RequestOutput,
     SamplingParams,
     StepOutputs,
+    choice_ids,
     encoder,
     frontend_decoder,
 )
@@ -48,6 +49,10 @@ class EngineOverloaded(Exception):
 
 class RequestRejected(ValueError):
     """The core refused the request: it can never be served as asked (HTTP 422)."""
+
+
+class GrammarRejected(RequestRejected):
+    """The request's grammar (JSON schema, regex) does not compile (HTTP 400)."""
 
 
 class EngineStepError(RuntimeError):
@@ -74,6 +79,7 @@ class TokenOutput:
     logprob: float | None
     special: bool
     index: int  # 0-based position among generated tokens
+    choice: int = 0  # which of the request's completions (n > 1, or several prompts) it belongs to
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "eos_token" once finished
     prompt_tokens: int = 0
@@ -82,13 +88,15 @@ class TokenOutput:
 
 
 class RequestStream:
-    """One request in flight: its text so far and the tokens its consumer has not taken yet."""
+    """One completion in flight: its text so far and the tokens its consumer has not taken yet. The consumer
+    (service.api.generation) may share `ready` and `timer` among the completions of one request."""
 
     def __init__(self, request_id: str, text: TextStream, special_ids: set[int]):
         self.request_id = request_id
         self.text = text
         self.special_ids = special_ids
         self.timer: RequestTimer | None = None
+        self.choice = 0
         self.waiting: list[TokenOutput] = []
         self.ready = asyncio.Event()
         self.count = 0
@@ -102,7 +110,7 @@ class RequestStream:
         if reason is not None and not hit_stop:
             piece += self.text.flush()
         self.waiting.append(TokenOutput(out.token_id, piece, out.logprob, out.token_id in self.special_ids,
-                                        self.count, reason is not None, reason, out.prompt_tokens,
+                                        self.count, self.choice, reason is not None, reason, out.prompt_tokens,
                                         out.cached_prompt_tokens, out.top_logprobs))
         self.count += 1
         self.finished = reason is not None
@@ -113,18 +121,9 @@ class RequestStream:
         self.error, self.finished = error, True
         self.ready.set()
 
-    async def batches(self):
-        """Yields lists of new tokens until the last; raises the request's error if it failed."""
-        while True:
-            await self.ready.wait()
-            self.ready.clear()
-            batch, self.waiting = self.waiting, []
-            if batch:
-                yield batch
-            if self.error is not None:
-                raise self.error
-            if batch and batch[-1].finished:
-                return
+    def take(self) -> list[TokenOutput]:
+        batch, self.waiting = self.waiting, []
+        return batch
 
 
 class EngineClient:
@@ -175,12 +174,13 @@ class EngineClient:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of a chat through the model's template, its messages' text kept as text (service.text);
-        raises ChatTemplateError."""
+    async def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a chat (and its tools) through the model's template, its messages' text kept as text
+        (service.text); raises ChatTemplateError."""
+        args = {"tools": tools} if tools else {}
         if sum(len(m.get("content") or "") for m in messages) < INLINE_TOKENIZE_CHARS:
-            return encode_chat(self.tokenizer, messages, add_generation_prompt=True)
-        return await asyncio.to_thread(encode_chat, self.tokenizer, messages, add_generation_prompt=True)
+            return encode_chat(self.tokenizer, messages, add_generation_prompt=True, **args)
+        return await asyncio.to_thread(encode_chat, self.tokenizer, messages, add_generation_prompt=True, **args)
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, tokenizer_dir: Path | None = None) -> None:
@@ -250,8 +250,9 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          adapter: str | None = None) -> RequestStream:
-        """Admits a request into the core: its stream, or EngineOverloaded / RequestRejected / EngineDead."""
+                          adapter: str | None = None) -> list[RequestStream]:
+        """Admits a request into the core: the streams of its params.n completions, or EngineOverloaded /
+        RequestRejected (GrammarRejected) / EngineDead."""
         if not self.accepting:
             raise EngineOverloaded("the server is shutting down")
         if not self.ready:
@@ -323,17 +324,21 @@ class EngineClient:
         for request_id in message.accepted:
             future, prompt_token_ids, params = self._admissions.pop(request_id, (None, None, None))
             if future is None or future.done():  # its client left meanwhile
-                self._send(Abort([request_id]))
+                self._send(Abort(choice_ids(request_id, params.n) if params else [request_id]))
                 continue
-            # The stream exists before this task reads the request's first token. The core checked the prompt's
+            # The streams exist before this task reads the request's first token. The core checked the prompt's
             # token ids: only now may the decoder see them.
-            text = TextStream(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
-            stream = self.streams[request_id] = RequestStream(request_id, text, self.special_ids)
-            future.set_result(stream)
+            streams = []
+            for choice_id in choice_ids(request_id, params.n):
+                text = TextStream(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
+                streams.append(RequestStream(choice_id, text, self.special_ids))
+                self.streams[choice_id] = streams[-1]
+            future.set_result(streams)
         for rejection in message.rejected:
             future, _, _ = self._admissions.pop(rejection.request_id, (None, None, None))
             if future is not None and not future.done():
-                error = EngineOverloaded if rejection.reason == "overloaded" else RequestRejected
+                error = {"overloaded": EngineOverloaded, "grammar": GrammarRejected}.get(rejection.reason,
+                                                                                       RequestRejected)
                 future.set_exception(error(rejection.message))
 
     def _on_step(self, outputs: list[RequestOutput]) -> None:

@@ -13,6 +13,7 @@ from service.api.engine_client import (
     EngineDead,
     EngineOverloaded,
     EngineStepError,
+    GrammarRejected,
     RequestRejected,
     RequestStream,
     TokenOutput,
@@ -87,41 +88,65 @@ def fit_context(prompt_tokens: int, max_new_tokens: int | None, default: int | N
 
 
 class Generation:
-    """One admitted request. `await Generation.submit(...)` admits it (429 / 422 / 503 at once if the core
-    refuses); batches() streams its outputs, timing each, and records its outcome exactly once when it ends."""
+    """One admitted request: its completions (n > 1, or several prompts, each a request in the core) as streams
+    sharing one wake-up event and one timer. `await Generation.submit(...)` admits it (429 / 422 / 400 / 503 at
+    once if the core refuses); batches() streams its outputs, and its outcome is recorded exactly once when it
+    ends."""
 
-    def __init__(self, request: Request, endpoint: str, stream: RequestStream, prompt_tokens: int):
+    def __init__(self, request: Request, endpoint: str, streams: list[RequestStream], prompt_tokens: int):
         self.request = request
-        self.stream = stream
-        self.engine_id = stream.request_id
+        self.streams = streams
+        self.engine_id = streams[0].request_id
         request.state.counted = True  # from here on the outcome is recorded by _finish(), not the error handler
-        self.timer = stream.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens)
+        self.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens)
+        self.ready = asyncio.Event()
+        for choice, stream in enumerate(streams):
+            stream.choice, stream.timer, stream.ready = choice, self.timer, self.ready
         self.outcome = "aborted"  # until the engine says it finished
         self.done = False
 
     @classmethod
-    async def submit(cls, request: Request, endpoint: str, prompt_token_ids: list[int], params: SamplingParams,
-                     adapter: str | None, prompt_param: str) -> "Generation":
+    async def submit(cls, request: Request, endpoint: str, prompts: list[list[int]], params: SamplingParams,
+                     adapter: str | None, prompt_param: str, grammar_param: str | None = None) -> "Generation":
+        """Admits each prompt (params.n completions of each); choice i * n + j is prompt i's completion j."""
         client = engine(request)
         # The client may reuse its X-Request-Id; the engine (and the OpenAI response id) needs a unique id.
-        engine_id = f"{request.state.request_id}-{secrets.token_hex(4)}"
-        try:
-            stream = await client.add_request(engine_id, prompt_token_ids, params, adapter)
-        except EngineOverloaded:
-            raise overloaded() from None
-        except RequestRejected as e:  # what the core can judge: the prompt against the model and KV cache
-            raise APIError(422, f"{prompt_param}: {e}", param=prompt_param, code="invalid_value") from None
-        except EngineDead:
-            raise unavailable() from None
-        return cls(request, endpoint, stream, len(prompt_token_ids))
+        ids = [f"{request.state.request_id}-{secrets.token_hex(4)}" for _ in prompts]
+        results = await asyncio.gather(*(client.add_request(rid, prompt, params, adapter)
+                                         for rid, prompt in zip(ids, prompts)), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            for streams in results:
+                for stream in streams if isinstance(streams, list) else []:
+                    client.abort(stream.request_id)
+            try:
+                raise errors[0]
+            except EngineOverloaded:
+                raise overloaded() from None
+            except GrammarRejected as e:
+                raise APIError(400, f"{grammar_param}: {e}", param=grammar_param, code="invalid_grammar") from None
+            except RequestRejected as e:  # what the core can judge: the prompt against the model and KV cache
+                raise APIError(422, f"{prompt_param}: {e}", param=prompt_param, code="invalid_value") from None
+            except EngineDead:
+                raise unavailable() from None
+        return cls(request, endpoint, [s for streams in results for s in streams], sum(map(len, prompts)))
 
     async def batches(self) -> AsyncIterator[list[TokenOutput]]:
-        """The request's tokens, in lists of those that arrived since the last one was taken."""
+        """The request's tokens (of every completion, each with its `choice`), in lists of those that arrived
+        since the last one was taken."""
         try:
-            async for batch in self.stream.batches():
-                if batch[-1].finished:
+            while True:
+                await self.ready.wait()
+                self.ready.clear()
+                batch = [out for stream in self.streams for out in stream.take()]
+                if batch:
+                    yield batch
+                for stream in self.streams:
+                    if stream.error is not None:
+                        raise stream.error
+                if all(stream.finished and not stream.waiting for stream in self.streams):
                     self.outcome = "success"
-                yield batch
+                    return
         except Exception:  # EngineStepError, or a bug; cancellation (client gone) is not an Exception
             self.outcome = "internal_error"
             raise
@@ -129,18 +154,24 @@ class Generation:
             self.release()
 
     def release(self) -> None:
-        """Ends the request once: aborts it in the core if it is still running, and records its outcome."""
+        """Ends the request once: aborts what still runs in the core, and records its outcome."""
         if self.done:
             return
         self.done = True
-        self.request.app.state.engine.abort(self.engine_id)
+        for stream in self.streams:
+            self.request.app.state.engine.abort(stream.request_id)
         self.timer.finish(self.outcome)
         self.request.state.generation = (self.outcome, self.timer.prompt_tokens, self.timer.generated_tokens)
 
-    async def collect(self) -> list[TokenOutput] | None:
-        """All outputs, or None if the client disconnected first (the request is then aborted at once)."""
+    async def collect(self) -> list[list[TokenOutput]] | None:
+        """Each completion's outputs, or None if the client disconnected first (the request is then aborted at
+        once)."""
         async def run():
-            return [out async for batch in self.batches() for out in batch]
+            choices = [[] for _ in self.streams]
+            async for batch in self.batches():
+                for out in batch:
+                    choices[out.choice].append(out)
+            return choices
 
         work = asyncio.ensure_future(run())
         watch = asyncio.ensure_future(_disconnected(self.request))

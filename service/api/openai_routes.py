@@ -1,4 +1,6 @@
-"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both streaming or not), /v1/models."""
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (both streaming or not, n completions, batched
+prompts, structured outputs, tool calling), /v1/models."""
+import json
 import time
 from collections.abc import Callable
 
@@ -19,8 +21,17 @@ from service.api.generation import (
     json_bytes,
     sse,
 )
-from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest
-from service.protocol import SamplingParams
+from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat
+from service.api.tools import (
+    CallStream,
+    call_id,
+    forced_calls,
+    forced_grammar,
+    parse_calls,
+    template_messages,
+    tool_format,
+)
+from service.protocol import Grammar, SamplingParams
 from service.text import ChatTemplateError
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context's room
@@ -42,14 +53,28 @@ def resolve_model(client, model: str) -> str | None:
                    param="model", code="model_not_found")
 
 
-def _sampling_params(req: OpenAIRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int) -> SamplingParams:
+def _sampling_params(req: OpenAIRequest, max_new_tokens: int, logprobs: bool, top_logprobs: int, n: int,
+                     grammar: Grammar | None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_new_tokens, temperature=1.0 if req.temperature is None else req.temperature,
         top_k=req.top_k or 0, top_p=1.0 if req.top_p is None else req.top_p,
         repetition_penalty=req.repetition_penalty or 1.0, frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, logit_bias=req.logit_bias or {}, min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens or 0, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-        top_logprobs=top_logprobs, ignore_eos=req.ignore_eos)
+        top_logprobs=top_logprobs, ignore_eos=req.ignore_eos, grammar=grammar, n=n)
+
+
+def response_format_grammar(response_format: ResponseFormat | None) -> Grammar | None:
+    """Structured outputs: the grammar a response_format asks for (None for text)."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return Grammar("json")
+    if response_format.json_schema is None:
+        raise APIError(422, "response_format.json_schema: required when type is json_schema",
+                       param="response_format.json_schema")
+    schema = response_format.json_schema.schema_
+    return Grammar("json", "" if schema is None else json.dumps(schema))
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -63,12 +88,13 @@ def _stream_error(e: EngineStepError) -> bytes:
 
 
 class _Call:
-    """What both endpoints do with a request once its prompt is tokenized."""
+    """What both endpoints do with a request once its prompts are tokenized: admit each prompt's `n` completions
+    (choice i * n + j is prompt i's completion j)."""
 
     @classmethod
-    async def submit(cls, request: Request, req: OpenAIRequest, endpoint: str, prompt_ids: list[int],
+    async def submit(cls, request: Request, req: OpenAIRequest, endpoint: str, prompts: list[list[int]],
                      max_tokens: int | None, default_max_tokens: int | None, logprobs: bool,
-                     top_logprobs: int) -> "_Call":
+                     top_logprobs: int, n: int, grammar: Grammar | None, grammar_param: str) -> "_Call":
         self = cls()
         client = engine(request)
         self.tokenizer = client.tokenizer
@@ -77,7 +103,7 @@ class _Call:
         if req.stream_options is not None and not req.stream:
             raise APIError(422, "stream_options: only allowed with stream=true", param="stream_options")
         prompt_param = "prompt" if endpoint == "completions" else "messages"
-        max_new_tokens = fit_context(len(prompt_ids), max_tokens, default_max_tokens, client.max_model_len,
+        max_new_tokens = fit_context(max(map(len, prompts)), max_tokens, default_max_tokens, client.max_model_len,
                                      prompt_param, "max_tokens")
         if any(token >= client.info.vocab_size for token in req.logit_bias or {}):
             raise APIError(422, f"logit_bias: token ids must be below the vocabulary size {client.info.vocab_size}",
@@ -85,12 +111,13 @@ class _Call:
         if (req.min_tokens or 0) > max_new_tokens:
             raise APIError(422, f"min_tokens: more than the {max_new_tokens} tokens this request may generate",
                            param="min_tokens")
-        self.params = _sampling_params(req, max_new_tokens, logprobs, top_logprobs)
-        self.generation = await Generation.submit(request, endpoint, prompt_ids, self.params, adapter, prompt_param)
+        self.params = _sampling_params(req, max_new_tokens, logprobs, top_logprobs, n, grammar)
+        self.generation = await Generation.submit(request, endpoint, prompts, self.params, adapter, prompt_param,
+                                                  grammar_param)
         self.id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{self.generation.engine_id}"
         self.model = req.model
         self.created = int(time.time())
-        self.prompt_tokens = len(prompt_ids)
+        self.prompt_tokens = sum(map(len, prompts))
         self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return self
 
@@ -99,8 +126,9 @@ class _Call:
 
     async def stream(self, opening: bytes | None, token_chunk: Callable[[TokenOutput], bytes | None], obj: str):
         """The SSE lines of a streamed response: `opening`, then `token_chunk` of every token (None sends
-        nothing), the usage chunk when the client asked for it, and [DONE]; an engine failure ends the stream
-        with an error event instead. The chunks of the tokens that arrived together go out in one write."""
+        nothing; each token names its choice), the usage chunk when the client asked for it, and [DONE]; an engine
+        failure ends the stream with an error event instead. The chunks of the tokens that arrived together go out
+        in one write."""
         if opening is not None:
             yield opening
         generated = 0
@@ -137,57 +165,71 @@ def _completion_logprobs(call: _Call, outputs: list[TokenOutput], offset: int, w
             "text_offset": offsets}
 
 
+def best(choices: list[list[TokenOutput]], n: int) -> list[list[TokenOutput]]:
+    """best_of: the n completions of highest total logprob, in that order."""
+    return sorted(choices, key=lambda outs: -sum(out.logprob or 0.0 for out in outs))[:n]
+
+
 @router.post("/completions")
 async def completions(request: Request):
     req = await read_json(request, CompletionRequest, request.app.state.settings.max_request_bytes)
     client = engine(request)
-    prompt_ids = await encode_prompt(client, req.prompt, "prompt") if isinstance(req.prompt, str) else req.prompt
+    prompts = [await encode_prompt(client, p, "prompt") if isinstance(p, str) else p for p in req.prompt]
+    best_of = req.best_of or req.n
+    if best_of < req.n:
+        raise APIError(422, f"best_of: must be >= n ({req.n})", param="best_of")
+    if req.stream and best_of > req.n:
+        raise APIError(422, "best_of: cannot be streamed (the best are known at the end); use n", param="best_of")
     want_logprobs = req.logprobs is not None
-    call = await _Call.submit(request, req, "completions", prompt_ids, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
-                              want_logprobs, req.logprobs or 0)
-    echo = client.tokenizer.decode(prompt_ids) if req.echo else ""
+    call = await _Call.submit(request, req, "completions", prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
+                              want_logprobs or best_of > req.n, req.logprobs or 0, best_of,
+                              response_format_grammar(req.response_format), "response_format")
+    echoes = [client.tokenizer.decode(p) if req.echo else "" for p in prompts]
 
-    def choice(text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> dict:
+    def choice(index: int, text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> dict:
         logprobs = _completion_logprobs(call, outputs, offset, bool(req.logprobs)) if want_logprobs else None
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     if not req.stream:
-        outputs = await call.generation.collect()
-        if outputs is None:
+        choices = await call.generation.collect()
+        if choices is None:
             return Response(status_code=499)
-        text = echo + "".join(out.text for out in outputs)
+        body = []
+        for i, echo in enumerate(echoes):
+            for outputs in best(choices[i * best_of:(i + 1) * best_of], req.n):
+                text = echo + "".join(out.text for out in outputs)
+                body.append(choice(len(body), text, outputs, len(echo), FINISH_REASONS[outputs[-1].finish_reason]))
         return _json({"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-                      "choices": [choice(text, outputs, len(echo), FINISH_REASONS[outputs[-1].finish_reason])],
-                      "usage": _usage(call.prompt_tokens, len(outputs))})
+                      "choices": body, "usage": _usage(call.prompt_tokens, sum(map(len, choices)))})
 
-    def chunk(text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> bytes:
+    def chunk(index: int, text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> bytes:
         return sse({"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,
-                    "choices": [choice(text, outputs, offset, finish_reason)], "usage": None})
+                    "choices": [choice(index, text, outputs, offset, finish_reason)], "usage": None})
 
-    offset = len(echo)
+    offsets = [len(echoes[i // req.n]) for i in range(len(prompts) * req.n)]
 
     def token_chunk(out: TokenOutput) -> bytes | None:
-        nonlocal offset
-        start, offset = offset, offset + len(out.text)
+        start = offsets[out.choice]
+        offsets[out.choice] += len(out.text)
         if out.text or out.finished or want_logprobs:
-            return chunk(out.text, [out], start, FINISH_REASONS.get(out.finish_reason))
+            return chunk(out.choice, out.text, [out], start, FINISH_REASONS.get(out.finish_reason))
         return None
 
-    opening = chunk(echo, [], 0, None) if echo else None
+    opening = b"".join(chunk(i, echoes[i // req.n], [], 0, None) for i in range(len(offsets))) if req.echo else None
     return EventStream(call.stream(opening, token_chunk, "text_completion"), call.generation)
 
 
 # -- /v1/chat/completions -----------------------------------------------------------------------------------
 
-async def _chat_prompt(req: ChatCompletionRequest, client) -> list[int]:
+async def _chat_prompt(req: ChatCompletionRequest, client, tools: list[dict] | None) -> list[int]:
     if not client.tokenizer.chat_template:
         raise APIError(422, "messages: this model has no chat template; use /v1/completions", param="messages")
-    messages = [{"role": m.role, "content": m.content or ""} for m in req.messages]
-    if not client.may_fit("".join(m["content"] for m in messages)):
+    messages = template_messages(req.messages)
+    if not client.may_fit("".join(m["content"] or "" for m in messages)):
         raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} tokens",
                        param="messages", code="context_length_exceeded")
     try:
-        return await client.encode_chat(messages)
+        return await client.encode_chat(messages, tools)
     except ChatTemplateError as e:  # the template's own checks (roles must alternate, ...), or a forged turn
         raise APIError(422, f"messages: {e}", param="messages", code="invalid_value") from None
 
@@ -201,37 +243,115 @@ def _chat_logprobs(call: _Call, outputs: list[TokenOutput]) -> dict:
                          "top_logprobs": [entry(t, lp) for t, lp in out.top_logprobs or []]} for out in outputs]}
 
 
+def _tool_choice(req: ChatCompletionRequest):
+    """The effective tool_choice ("none" without tools), checked against the tools."""
+    names = [t.function.name for t in req.tools or []]
+    choice = req.tool_choice or ("auto" if names else "none")
+    if choice != "none" and not names:
+        raise APIError(422, "tool_choice: requires tools", param="tool_choice")
+    if not isinstance(choice, str) and choice.function.name not in names:
+        raise APIError(422, f"tool_choice.function.name: no tool named {choice.function.name!r} in tools",
+                       param="tool_choice.function.name")
+    if len(set(names)) != len(names):
+        raise APIError(422, "tools: function names must be unique", param="tools")
+    forced = choice == "required" or not isinstance(choice, str)
+    if forced and req.response_format is not None and req.response_format.type != "text":
+        raise APIError(422, "response_format: cannot be combined with a forced tool_choice", param="response_format")
+    return choice
+
+
+def _finish(outputs: list[TokenOutput], calls: list[dict]) -> str:
+    # As vLLM: a reply that made calls says so, also when it went on past them to its length limit.
+    return "tool_calls" if calls else FINISH_REASONS[outputs[-1].finish_reason]
+
+
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     req = await read_json(request, ChatCompletionRequest, request.app.state.settings.max_request_bytes)
-    prompt_ids = await _chat_prompt(req, engine(request))
+    client = engine(request)
+    tool_choice = _tool_choice(req)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_choice != "none" else None
+    prompt_ids = await _chat_prompt(req, client, tools)
     if req.top_logprobs and not req.logprobs:
         raise APIError(422, "top_logprobs: requires logprobs=true", param="top_logprobs", code="invalid_value")
-    call = await _Call.submit(request, req, "chat_completions", prompt_ids, req.max_completion_tokens or req.max_tokens,
-                              None, req.logprobs, req.top_logprobs or 0)
+    forced = forced_grammar(req.tools, tool_choice, req.parallel_tool_calls) if tools else None
+    grammar = forced or response_format_grammar(req.response_format)
+    call = await _Call.submit(request, req, "chat_completions", [prompt_ids],
+                              req.max_completion_tokens or req.max_tokens, None, req.logprobs, req.top_logprobs or 0,
+                              req.n, grammar, "tool_choice" if forced else "response_format")
+    fmt = tool_format(client.tokenizer.chat_template)
+
+    def message(text: str) -> tuple[dict, list[dict]]:
+        if forced:
+            calls, content = forced_calls(text, tool_choice), None
+        elif tools:
+            content, calls = parse_calls(text, fmt)
+        else:
+            content, calls = text, []
+        result = {"role": "assistant", "content": content}
+        if calls:
+            result["tool_calls"] = calls
+        return result, calls
 
     if not req.stream:
-        outputs = await call.generation.collect()
-        if outputs is None:
+        choices = await call.generation.collect()
+        if choices is None:
             return Response(status_code=499)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(out.text for out in outputs)},
-                  "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
-                  "finish_reason": FINISH_REASONS[outputs[-1].finish_reason]}
+        body = []
+        for index, outputs in enumerate(choices):
+            msg, calls = message("".join(out.text for out in outputs))
+            body.append({"index": index, "message": msg,
+                         "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
+                         "finish_reason": _finish(outputs, calls)})
         return _json({"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
-                      "choices": [choice], "usage": _usage(call.prompt_tokens, len(outputs))})
+                      "choices": body, "usage": _usage(call.prompt_tokens, sum(map(len, choices)))})
 
-    def chunk(delta: dict, outputs: list[TokenOutput], finish_reason: str | None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
+    def chunk(index: int, delta: dict, outputs: list[TokenOutput], finish_reason: str | None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
                   "finish_reason": finish_reason}
         return sse({"id": call.id, "object": "chat.completion.chunk", "created": call.created, "model": call.model,
                     "choices": [choice], "usage": None})
 
-    def token_chunk(out: TokenOutput) -> bytes | None:
-        if out.text or out.finished or req.logprobs:
-            return chunk({"content": out.text} if out.text else {}, [out], FINISH_REASONS.get(out.finish_reason))
-        return None
+    streams = [CallStream(fmt) for _ in range(req.n)]  # under "auto": content until a call opens
+    texts = [[] for _ in range(req.n)]  # under "required": the array of calls, parsed at its end
+    named = forced is not None and not isinstance(tool_choice, str)
+    ids = [call_id() for _ in range(req.n)]  # a named function's call, which streams
 
-    opening = chunk({"role": "assistant", "content": ""}, [], None)
+    def token_chunk(out: TokenOutput) -> bytes | None:
+        i, reason = out.choice, FINISH_REASONS.get(out.finish_reason)
+        if not tools:
+            if out.text or out.finished or req.logprobs:
+                return chunk(i, {"content": out.text} if out.text else {}, [out], reason)
+            return None
+        lines = []
+        if named:  # the arguments stream as they come
+            function = {"arguments": out.text}
+            head = {"id": ids[i], "type": "function"} if out.index == 0 else {}
+            if out.index == 0:
+                function = {"name": tool_choice.function.name, **function}
+            if out.text or head:
+                lines.append(chunk(i, {"tool_calls": [{"index": 0, **head, "function": function}]}, [out], None))
+        elif forced:
+            texts[i].append(out.text)
+        else:
+            piece = streams[i].feed(out.text)
+            if piece or req.logprobs:
+                lines.append(chunk(i, {"content": piece} if piece else {}, [out], None))
+        if reason is not None:
+            calls = []
+            if forced and not named:
+                calls = forced_calls("".join(texts[i]), tool_choice)
+            elif not forced:
+                rest, calls = streams[i].finish()
+                if rest:
+                    lines.append(chunk(i, {"content": rest}, [], None))
+            if calls:
+                lines.append(chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, [], None))
+            lines.append(chunk(i, {}, [], "tool_calls" if calls or named else reason))
+        return b"".join(lines) or None
+
+    opening = b"".join(chunk(i, {"role": "assistant", "content": None if forced else ""}, [], None)
+                       for i in range(req.n))
     return EventStream(call.stream(opening, token_chunk, "chat.completion.chunk"), call.generation)
 
 

@@ -8,6 +8,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from service.protocol import MAX_TOP_K
 
 U64 = 2 ** 64
+MAX_CHOICES = 128  # n and best_of (the engine also caps them at its batch size)
 
 
 def _only(neutral: Any, hint: str = ""):
@@ -32,17 +33,23 @@ def _stop_strings(value):
     return value
 
 
-def _one_prompt(value):
-    """A string or a list of token ids; OpenAI's batch forms are accepted holding exactly one prompt."""
-    if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-        if len(value) != 1:
-            raise ValueError("batched prompts are not supported; send one prompt per request")
-        value = value[0]
-    if isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value)):
-        if not value:
-            raise ValueError("must not be empty")
-        return value
-    raise ValueError("must be a string or an array of token ids")
+MAX_PROMPTS = 256  # prompts in one /v1/completions request
+
+
+def _prompts(value):
+    """OpenAI's prompt: a string, a list of token ids, or a list of either (a batch) -> a list of prompts."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(type(t) is int for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("must be a string, an array of token ids, or a non-empty array of those")
+    if len(value) > MAX_PROMPTS:
+        raise ValueError(f"at most {MAX_PROMPTS} prompts in one request")
+    for prompt in value:
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))):
+            raise ValueError("each prompt must be a string or an array of token ids")
+        if not prompt:
+            raise ValueError("prompts must not be empty")
+    return value
 
 
 def _message_text(value):
@@ -76,6 +83,11 @@ class _Body(BaseModel):
 
 # -- text-generation-inference ----------------------------------------------------------------------------
 
+class TGIGrammar(_Body):
+    type: Literal["json", "json_schema", "regex"]
+    value: dict | str  # json: a JSON schema (or its text); regex: a regular expression
+
+
 class TGIParameters(_Body):
     max_new_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, gt=0)
@@ -91,12 +103,12 @@ class TGIParameters(_Body):
     adapter_id: str | None = None
     truncate: int | None = Field(None, ge=1)
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_new_tokens whatever the model says
-    best_of: Annotated[int | None, _only(1)] = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     top_n_tokens: Annotated[int | None, _only(0)] = None
     typical_p: Annotated[float | None, _only(1.0)] = None
     frequency_penalty: Penalty = None
     watermark: Annotated[bool | None, _only(False)] = None
-    grammar: Annotated[dict | None, _only(None)] = None
+    grammar: TGIGrammar | None = None
 
 
 class TGIRequest(_Body):
@@ -111,12 +123,25 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Body):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class OpenAIRequest(_Body):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    n: Annotated[int, Field(ge=1), _only(1, "; send n separate requests")] = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stop: Stop = None
     seed: int | None = Field(None, ge=-(2 ** 63), lt=U64)
     stream: bool = False
@@ -131,24 +156,60 @@ class OpenAIRequest(_Body):
     min_tokens: int | None = Field(None, ge=0, lt=2**31)
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    prompt: Annotated[list, BeforeValidator(_prompts)]  # strings or token-id lists (see _prompts)
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
-    best_of: Annotated[int | None, _only(1)] = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: Annotated[str | None, _only(None)] = None
+
+
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str | None, BeforeValidator(_message_text)] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer: to which call
+    # What the openai client echoes back when a response's message is sent again: accepted, not used.
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(OpenAIRequest):
@@ -156,9 +217,9 @@ class ChatCompletionRequest(OpenAIRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
-    tools: Annotated[list | None, _only([], " (no tool calling)")] = None
-    tool_choice: Annotated[str | None, _only("none", " (no tool calling)")] = None
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 # -- tokenization ------------------------------------------------------------------------------------------

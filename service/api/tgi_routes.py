@@ -1,5 +1,7 @@
 """text-generation-inference routes: POST /generate, POST /generate_stream, and POST / (either, by `stream`),
-which is where huggingface_hub's InferenceClient(base_url).text_generation posts."""
+which is where huggingface_hub's InferenceClient(base_url).text_generation posts. `parameters.grammar` constrains
+the output (a JSON schema or a regex); `best_of` samples several and returns the likeliest."""
+import json
 import random
 
 from fastapi import APIRouter, Depends, Request
@@ -19,8 +21,8 @@ from service.api.generation import (
     json_bytes,
     sse,
 )
-from service.api.schemas import TGIParameters, TGIRequest
-from service.protocol import SamplingParams
+from service.api.schemas import TGIGrammar, TGIParameters, TGIRequest
+from service.protocol import Grammar, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's documented default, capped by the room the context leaves
 FINISH_REASONS = {"length": "length", "eos_token": "eos_token", "stop": "stop_sequence"}
@@ -28,10 +30,23 @@ FINISH_REASONS = {"length": "length", "eos_token": "eos_token", "stop": "stop_se
 router = APIRouter(dependencies=[Depends(require_api_key("generate"))])
 
 
-def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
+def _samples(p: TGIParameters) -> bool:
     # As TGI: greedy unless do_sample, or any warper set away from its neutral value.
-    sample = (p.do_sample or p.temperature not in (None, 1.0) or p.top_k not in (None, 0)
-              or p.top_p not in (None, 1.0))
+    return p.do_sample or p.temperature not in (None, 1.0) or p.top_k not in (None, 0) or p.top_p not in (None, 1.0)
+
+
+def grammar(g: TGIGrammar | None) -> Grammar | None:
+    if g is None:
+        return None
+    if g.type == "regex":
+        if not isinstance(g.value, str):
+            raise APIError(422, "parameters.grammar.value: a regex must be a string", param="parameters.grammar.value")
+        return Grammar("regex", g.value)
+    return Grammar("json", g.value if isinstance(g.value, str) else json.dumps(g.value))
+
+
+def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
+    sample = _samples(p)
     seed = p.seed
     if sample and seed is None:
         seed = random.getrandbits(63)  # so that details.seed reports what reproduces the output
@@ -41,7 +56,7 @@ def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
         top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True,
-        ignore_eos=p.ignore_eos)
+        ignore_eos=p.ignore_eos, grammar=grammar(p.grammar), n=p.best_of or 1)
 
 
 def _token(out: TokenOutput) -> dict:
@@ -61,9 +76,15 @@ async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Ge
         prompt_ids = prompt_ids[-p.truncate:]
     max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, client.max_model_len,
                                  "inputs", "parameters.max_new_tokens")
+    if (p.best_of or 1) > 1:
+        if not _samples(p):
+            raise APIError(422, "parameters.best_of: > 1 needs sampling (do_sample, or a temperature, top_k or top_p)",
+                           param="parameters.best_of")
+        if endpoint == "generate_stream":
+            raise APIError(422, "parameters.best_of: > 1 cannot be streamed", param="parameters.best_of")
     params = sampling_params(p, max_new_tokens)
-    generation = await Generation.submit(request, endpoint, prompt_ids, params, _adapter(client, p.adapter_id),
-                                         "inputs")
+    generation = await Generation.submit(request, endpoint, [prompt_ids], params, _adapter(client, p.adapter_id),
+                                         "inputs", "parameters.grammar")
     return generation, params, prompt_ids
 
 
@@ -78,17 +99,29 @@ def _adapter(client, adapter_id: str | None) -> str | None:
 
 async def _generate(request: Request, body: TGIRequest) -> Response:
     generation, params, prompt_ids = await _submit(request, body, "generate")
-    outputs = await generation.collect()
-    if outputs is None:
+    choices = await generation.collect()
+    if choices is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
+    # best_of: the likeliest sequence answers; the others are in details.best_of_sequences
+    ranked = sorted(range(len(choices)), key=lambda i: -sum(out.logprob or 0.0 for out in choices[i]))
+    outputs = choices[ranked[0]]
     result = {"generated_text": _generated_text(body, "".join(out.text for out in outputs))}
     if body.parameters.details:
         decode = request.app.state.engine.tokenizer.decode
         prefill = ([{"id": t, "text": decode([t]), "logprob": None} for t in prompt_ids]
                    if body.parameters.decoder_input_details else [])
-        result["details"] = {"finish_reason": FINISH_REASONS[outputs[-1].finish_reason],
-                             "generated_tokens": len(outputs), "seed": params.seed, "prefill": prefill,
-                             "tokens": [_token(out) for out in outputs]}
+
+        def details(i: int) -> dict:
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            return {"finish_reason": FINISH_REASONS[choices[i][-1].finish_reason],
+                    "generated_tokens": len(choices[i]), "seed": seed, "prefill": prefill,
+                    "tokens": [_token(out) for out in choices[i]]}
+
+        result["details"] = details(ranked[0])
+        if len(choices) > 1:
+            result["details"]["best_of_sequences"] = [
+                {"generated_text": _generated_text(body, "".join(out.text for out in choices[i])), **details(i)}
+                for i in ranked[1:]]
     return Response(json_bytes(result), media_type="application/json")
 
 

@@ -13,6 +13,7 @@ from service.api.errors import APIError
 from service.api.generation import engine, json_bytes
 from service.api.openai_routes import resolve_model
 from service.api.schemas import DetokenizeRequest, TGITokenizeRequest, TokenizeRequest
+from service.api.tools import template_messages
 from service.text import ChatTemplateError, encode_chat
 
 router = APIRouter()
@@ -54,7 +55,7 @@ async def tokenize(request: Request):
         special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await _off_loop(len(req.prompt), tokenizer.encode, req.prompt, add_special_tokens=special)
     else:
-        messages = [m.model_dump(exclude_none=True) for m in req.messages]
+        messages = template_messages(req.messages)
         size = sum(len(m.get("content") or "") for m in messages)
         try:
             ids = await _off_loop(size, encode_chat, tokenizer, messages, req.add_generation_prompt)

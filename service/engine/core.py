@@ -1,8 +1,9 @@
 """The engine core: the process that owns the device, the model, the KV cache, the scheduler and sampler (through
-LLMEngine) and the fine-tuning jobs. It runs one plain loop, with no asyncio and no threads: drain the front-ends'
-commands, step the engine (or train a micro-batch between steps), and send each front-end one message per step
-with the new tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no
-CPU.
+LLMEngine) and the fine-tuning jobs. It runs one plain loop, with no asyncio: drain the front-ends' commands, step
+the engine (or train a micro-batch between steps), and send each front-end one message per step with the new
+tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no CPU. The one
+work it hands to threads is compiling grammars (structured outputs): a request with a grammar is admitted by the
+loop once its grammar has compiled.
 
 Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER socket, so every message names the
 front-end it came from and every answer goes to that front-end alone.
@@ -13,6 +14,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 
 import msgspec
 import torch
@@ -21,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from service.config import Settings
 from service.engine.finetune_jobs import JobError, JobManager
+from service.engine.grammar import GrammarError
 from service.engine.llm_engine import LLMEngine, RequestRejected
 from service.metrics import EngineMetrics
 from service.protocol import (
@@ -34,12 +37,14 @@ from service.protocol import (
     Rejection,
     Reply,
     StepOutputs,
+    choice_ids,
     core_decoder,
     encoder,
 )
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_INTERVAL = 1.0  # seconds between refreshes of the GPU memory gauges while steps run
+COMPILE_POLL_MS = 2  # how often an idle loop looks for compiled grammars
 
 
 class EngineBroken(RuntimeError):
@@ -62,7 +67,8 @@ class EngineCore:
         self._pack = encoder().encode
         self._unpack = core_decoder().decode
         self.frontends: set[bytes] = set()
-        self.owner: dict[str, bytes] = {}  # request id -> the front-end that sent it
+        self.owner: dict[str, bytes] = {}  # request id (each completion's, for n > 1) -> the front-end that sent it
+        self._compiling: list[tuple[bytes, AddRequest, Future]] = []  # requests whose grammar is compiling
         # stop() may come from another thread: it wakes the poll through this pair.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
@@ -98,17 +104,22 @@ class EngineCore:
                     timeout = 0
                 else:
                     timeout = None if train_in is None else train_in * 1000
+                    if self._compiling:
+                        timeout = min(timeout or COMPILE_POLL_MS, COMPILE_POLL_MS)
                 events = dict(poller.poll(timeout))
                 if lifeline is not None and lifeline.fileno() in events:
                     break
                 if self.socket in events:
                     self._drain()
+                if self._compiling:
+                    self._admit_compiled()
                 if self.engine.has_work:
                     self._step()
                 train_in = self.jobs.seconds_until_work(time.perf_counter())
                 if train_in == 0:
                     self.jobs.train_step(engine_busy=self.engine.has_work)
         finally:
+            self.engine.grammars.shutdown()
             self.jobs.shutdown()
             self.socket.close()
             self.context.term()
@@ -158,12 +169,43 @@ class EngineCore:
             answer.rejected.append(Rejection(rid, "overloaded", f"{self.engine.num_waiting} requests are waiting"))
             return
         try:
+            if request.params.grammar is not None:
+                self.engine.validate(request.prompt_token_ids, request.params, request.adapter)
+                self._compiling.append((identity, request, self.engine.grammars.compile(request.params.grammar)))
+                return  # admitted (or refused) once compiled
             self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter)
         except RequestRejected as e:
             answer.rejected.append(Rejection(rid, "invalid", str(e)))
             return
-        self.owner[rid] = identity
-        answer.accepted.append(rid)
+        self._accept(identity, request, answer)
+
+    def _accept(self, identity: bytes, request: AddRequest, answer: Admitted) -> None:
+        for rid in choice_ids(request.request_id, request.params.n):
+            self.owner[rid] = identity
+        answer.accepted.append(request.request_id)
+
+    def _admit_compiled(self) -> None:
+        """Admits the requests whose grammar has compiled, refuses those whose grammar failed to."""
+        admitted: dict[bytes, Admitted] = defaultdict(lambda: Admitted([], []))
+        still = []
+        for identity, request, future in self._compiling:
+            if not future.done():
+                still.append((identity, request, future))
+                continue
+            answer, rid = admitted[identity], request.request_id
+            try:
+                self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
+                                        grammar=future.result())
+            except GrammarError as e:
+                answer.rejected.append(Rejection(rid, "grammar", str(e)))
+                continue
+            except RequestRejected as e:  # its adapter went away meanwhile, say
+                answer.rejected.append(Rejection(rid, "invalid", str(e)))
+                continue
+            self._accept(identity, request, answer)
+        self._compiling = still
+        for identity, answer in admitted.items():
+            self._send(identity, answer)
 
     def _call(self, call: Call) -> Reply:
         if call.method == "stats":

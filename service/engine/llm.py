@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from service.config import Settings
 from service.engine.llm_engine import EngineStepError, LLMEngine
-from service.protocol import SamplingParams
+from service.protocol import SamplingParams, choice_ids
 from service.text import TextStream
 
 
@@ -16,6 +16,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     cached_prompt_tokens: int = 0
+    index: int = 0  # which of the prompt's params.n completions
 
 
 class LLM:
@@ -25,8 +26,8 @@ class LLM:
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
-        """prompts: strings or token-id lists (or one of either). Runs them all to completion, batched. Raises
-        EngineStepError if a step fails."""
+        """prompts: strings or token-id lists (or one of either). Runs them all to completion, batched: one output
+        per prompt, or params.n of them in a row. Raises EngineStepError if a step fails."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -36,8 +37,9 @@ class LLM:
             rid = f"llm-{next(self._ids)}"
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             self.engine.add_request(rid, ids, p)
-            results[rid] = RequestOutput(prompt, "", [], None)
-            texts[rid] = TextStream(self.tokenizer, ids, p.stop, p.include_stop_str_in_output)
+            for index, choice in enumerate(choice_ids(rid, p.n)):
+                results[choice] = RequestOutput(prompt, "", [], None, index=index)
+                texts[choice] = TextStream(self.tokenizer, ids, p.stop, p.include_stop_str_in_output)
         while self.engine.has_work:
             outputs, _ = self.engine.step()
             for out in outputs:

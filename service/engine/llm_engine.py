@@ -6,7 +6,8 @@ Steps overlap when async scheduling is on (the default on CUDA): step() schedule
 waits for step N's sampled tokens, so the host's work for N+1 runs while the GPU computes N, and the only wait
 is the copy of N's tokens. A request that ends in step N (EOS) has already been scheduled into N+1; that token is
 dropped. Requests whose sampling needs the previous token on the host (the repetition, frequency and presence
-penalties) make that step wait.
+penalties, grammars) sample late: step N+1's forward pass is launched first, then N's tokens are read and the
+grammars' masks filled while it runs, then N+1 samples.
 """
 import gc
 import logging
@@ -19,13 +20,14 @@ from pathlib import Path
 import torch
 
 from service.config import Settings
+from service.engine.grammar import GrammarError, Grammars
 from service.engine.model_runner import ModelRunner
-from service.engine.sampler import Sampled, Sampler
+from service.engine.sampler import Sampled, Sampler, on_device
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import PENDING, Sequence, Status
 from service.model.config import ModelConfig
 from service.model.loader import eos_token_ids, load_model, resolve_dtype, resolve_model_dir
-from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams
+from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids
 from service.text import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,7 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
                                    s.max_num_batched_tokens, self.max_model_len)
         self.sampler = Sampler()
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
@@ -145,6 +148,8 @@ class LLMEngine:
             raise RequestRejected("seed must be in [-2**63, 2**64)")
         if params.top_logprobs < 0 or params.top_logprobs > 20:
             raise RequestRejected("top_logprobs must be in 0..20")
+        if not 1 <= params.n <= self.settings.max_num_seqs:
+            raise RequestRejected(f"n must be in [1, {self.settings.max_num_seqs}] (the most sequences in a step)")
         total = len(prompt_token_ids) + params.max_new_tokens
         if total > self.max_model_len:
             raise RequestRejected(f"prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
@@ -158,16 +163,34 @@ class LLMEngine:
                 raise RequestRejected(f"unknown adapter {adapter!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None) -> None:
-        if request_id in self.requests:
+                    adapter: str | None = None, grammar=None) -> None:
+        """Queues a request: its params.n completions, with ids choice_ids(request_id, n). grammar: the compiled
+        params.grammar, when the caller compiled it (the engine core does, on worker threads); otherwise it is
+        compiled here."""
+        ids = choice_ids(request_id, params.n)
+        if any(i in self.requests for i in ids):
             raise RequestRejected(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params, adapter)
-        generator = None
-        if params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        seq = Sequence(request_id, list(prompt_token_ids), params, generator, adapter)
-        self.requests[request_id] = seq
-        self.scheduler.add(seq)
+        if params.grammar is not None and grammar is None:
+            try:
+                grammar = self.grammars.compile(params.grammar).result()
+            except GrammarError as e:
+                raise RequestRejected(f"grammar: {e}") from None
+        seqs = []
+        for i, rid in enumerate(ids):
+            generator = None
+            if params.seed is not None and not params.greedy:
+                generator = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
+            seq = Sequence(rid, list(prompt_token_ids), params, generator, adapter)
+            if grammar is not None:
+                seq.matcher = self.grammars.matcher(grammar)
+            self.requests[rid] = seq
+            seqs.append(seq)
+        parent, *children = seqs
+        for child in children:
+            child.fork_of = parent
+        parent.forks = children
+        self.scheduler.add(parent)
 
     def abort(self, request_id: str) -> bool:
         seq = self.requests.pop(request_id, None)
@@ -200,8 +223,6 @@ class LLMEngine:
         outputs = []
         # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
         with torch.inference_mode():
-            if self._in_flight is not None and any(s.params.needs_history for s in self._in_flight.seqs):
-                outputs += self._complete()  # the penalties need the token in flight on the host
             batch = self.scheduler.schedule()
             launched = self._launch(batch, outputs) if batch.seqs else None
             if self._in_flight is not None:
@@ -220,19 +241,22 @@ class LLMEngine:
             prefix_hit_tokens=batch.prefix_hit_tokens)
 
     def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> _InFlight | None:
+        """Launches the batch's forward pass and sampling; completes the step in flight first when a sampled row
+        needs its tokens (after launching the forward pass, which does not)."""
         pending = self._in_flight.sampled.token_ids if self._in_flight and self._in_flight.sampled else None
         try:
             logits, index = self.runner.run(batch, pending)
             seqs = [batch.seqs[i] for i in index]
-            sampled = None
-            if seqs:
-                history = any(s.params.needs_history for s in seqs)
-                banned = [self._banned(s) for s in seqs] if any(s.params.min_tokens for s in seqs) else None
-                sampled = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                                       [s.token_ids for s in seqs] if history else None,
-                                       [s.num_prompt_tokens for s in seqs] if history else None, banned)
+            if batch.forks:  # each fork samples from its parent's row: the same prompt, its own draw
+                rows = [seqs.index(parent) for _, parent in batch.forks]
+                logits = torch.cat([logits, logits.index_select(0, on_device(rows, logits.device))])
+                seqs += [child for child, _ in batch.forks]
+            history = any(s.params.needs_history for s in seqs)
+            if history and self._in_flight is not None:
+                outputs += self._complete()
+            sampled = self._sample(logits, seqs, history) if seqs else None
         except Exception as e:
-            outputs += self._fail(batch.seqs, e)
+            outputs += self._fail(batch.seqs + [child for child, _ in batch.forks], e)
             return None
         positions = []
         for row, seq in enumerate(seqs):
@@ -240,6 +264,17 @@ class LLMEngine:
             seq.token_ids.append(PENDING)
             seq.pending_row = row
         return _InFlight(batch, sampled, seqs, positions)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], history: bool) -> Sampled:
+        banned = [self._banned(s) for s in seqs] if any(s.params.min_tokens for s in seqs) else None
+        masks = None
+        bound = [row for row, s in enumerate(seqs) if s.matcher is not None]
+        if bound:
+            json_rows = [i for i, row in enumerate(bound) if seqs[row].params.grammar.kind == "json"]
+            masks = self.grammars.fill_masks([seqs[row].matcher for row in bound], json_rows), bound
+        return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
+                            [s.token_ids for s in seqs] if history else None,
+                            [s.num_prompt_tokens for s in seqs] if history else None, banned, masks)
 
     def _banned(self, seq: Sequence) -> list[int]:
         """The tokens that would end seq before its min_tokens (its token ids hold every earlier token, the one
@@ -270,6 +305,11 @@ class LLMEngine:
                 reason = "stop"
             elif token in self.eos_token_ids and not p.ignore_eos:
                 reason = "eos_token"
+            elif seq.matcher is not None and not seq.matcher.accept_token(token):
+                log.error("request %s: token %d is outside its grammar", seq.request_id, token)
+                reason = "stop"
+            elif seq.matcher is not None and seq.matcher.is_terminated():
+                reason = "stop"  # the grammar is complete: it took a stop token (ignore_eos did not end it)
             elif n_out >= p.max_new_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
             first = n_out == 1

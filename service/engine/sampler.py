@@ -32,7 +32,7 @@ class Sampled:
         return tokens, chosen, tops
 
 
-def _on_device(data, device, dtype=None) -> torch.Tensor:
+def on_device(data, device, dtype=None) -> torch.Tensor:
     """A small per-row tensor on the device without waiting: torch.tensor(data, device=cuda) copies from pageable
     memory and synchronizes the stream, which would wait for the step in flight and end the overlap."""
     return torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda").to(device, non_blocking=True)
@@ -45,11 +45,11 @@ def _apply_repetition_penalty(logits, penalties, seen: list[list[int]]):
         return logits
     width = max(len(seen[i]) for i in rows)
     # Pad with a row's own first token: duplicates compute and scatter the same value.
-    ids = _on_device([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows], logits.device)
-    row_idx = _on_device(rows, logits.device)
+    ids = on_device([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows], logits.device)
+    row_idx = on_device(rows, logits.device)
     sub = logits[row_idx]
     vals = sub.gather(1, ids)
-    p = _on_device([penalties[i] for i in rows], logits.device, logits.dtype)[:, None]
+    p = on_device([penalties[i] for i in rows], logits.device, logits.dtype)[:, None]
     logits[row_idx] = sub.scatter(1, ids, torch.where(vals > 0, vals / p, vals * p))
     return logits
 
@@ -63,13 +63,13 @@ def _apply_output_penalties(logits, params: list[SamplingParams], seen: list[lis
     outputs = {i: seen[i][prompt_lens[i]:] for i in rows}
     device = logits.device
     width = max(1, max(len(outputs[i]) for i in rows))
-    ids = _on_device([outputs[i] + [0] * (width - len(outputs[i])) for i in rows], device)
-    lengths = _on_device([len(outputs[i]) for i in rows], device)
+    ids = on_device([outputs[i] + [0] * (width - len(outputs[i])) for i in rows], device)
+    lengths = on_device([len(outputs[i]) for i in rows], device)
     valid = (torch.arange(width, device=device)[None, :] < lengths[:, None]).to(logits.dtype)
     counts = torch.zeros(len(rows), logits.shape[-1], device=device, dtype=logits.dtype).scatter_add_(1, ids, valid)
-    frequency = _on_device([params[i].frequency_penalty for i in rows], device, logits.dtype)[:, None]
-    presence = _on_device([params[i].presence_penalty for i in rows], device, logits.dtype)[:, None]
-    index = _on_device(rows, device)
+    frequency = on_device([params[i].frequency_penalty for i in rows], device, logits.dtype)[:, None]
+    presence = on_device([params[i].presence_penalty for i in rows], device, logits.dtype)[:, None]
+    index = on_device(rows, device)
     logits[index] = logits[index] - frequency * counts - presence * (counts > 0).to(logits.dtype)
     return logits
 
@@ -78,8 +78,19 @@ def _add_at(logits, entries: list[tuple[int, int, float]]) -> None:
     """logits[row, token] += value for each (row, token, value), in one device operation."""
     rows, tokens, values = zip(*entries)
     device = logits.device
-    logits.index_put_((_on_device(rows, device), _on_device(tokens, device)),
-                      _on_device(values, device, logits.dtype), accumulate=True)
+    logits.index_put_((on_device(rows, device), on_device(tokens, device)),
+                      on_device(values, device, logits.dtype), accumulate=True)
+
+
+def _apply_token_masks(logits, masks: torch.Tensor, rows: list[int]) -> None:
+    """Grammars: sets the logits of the tokens each row's mask forbids to -inf. masks: [len(rows), words] int32
+    bits (bit j of word w allows token 32 w + j), in pinned memory."""
+    device = logits.device
+    index = on_device(rows, device)
+    words = masks.to(device, non_blocking=True)
+    bits = torch.arange(32, device=device, dtype=torch.int32)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def _top_k_top_p(logits, top_k, top_p):
@@ -111,12 +122,14 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                  seen_tokens: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
-                 banned: list[list[int]] | None = None) -> Sampled:
+                 banned: list[list[int]] | None = None, masks: tuple[torch.Tensor, list[int]] | None = None) -> Sampled:
         """logits [batch, vocab] (any float dtype) -> one token per row. generators: torch.Generator or None per
         row; seen_tokens: each row's prompt + output tokens and prompt_lens the prompts' lengths, needed only for
-        the penalties; banned: per row, tokens that must not be sampled (EOS before min_tokens).
+        the penalties; banned: per row, tokens that must not be sampled (EOS before min_tokens); masks: the
+        grammar-bound rows' allowed tokens as bits, and those rows.
 
-        In vLLM's order: penalties, logit bias, bans, then temperature, top-k / top-p, min-p, and the draw."""
+        In vLLM's order: penalties, logit bias, bans, grammar masks, then temperature, top-k / top-p, min-p, and
+        the draw."""
         logits = logits.float()
         device = logits.device
         if any(p.needs_history for p in params):
@@ -126,21 +139,23 @@ class Sampler:
             _add_at(logits, [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()])
         if banned and any(banned):
             _add_at(logits, [(i, t, float("-inf")) for i, ids in enumerate(banned) for t in ids])
+        if masks is not None:
+            _apply_token_masks(logits, *masks)
         greedy = [p.greedy for p in params]
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            temps = _on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
+            temps = on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
             logits = logits / temps[:, None]
             if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_k = _on_device([p.top_k for p in params], device)
-                top_p = _on_device([p.top_p for p in params], device)
+                top_k = on_device([p.top_k for p in params], device)
+                top_p = on_device([p.top_p for p in params], device)
                 filtered = _top_k_top_p(logits, top_k, top_p)
-                is_greedy = _on_device(greedy, device)[:, None]
+                is_greedy = on_device(greedy, device)[:, None]
                 logits = torch.where(is_greedy, logits, filtered)
             probs = logits.softmax(-1)
             if any(p.min_p > 0.0 for p in params):  # never drops a row's most likely token: greedy rows keep theirs
-                min_p = _on_device([p.min_p for p in params], device)[:, None]
+                min_p = on_device([p.min_p for p in params], device)[:, None]
                 logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
                 probs = logits.softmax(-1)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, batched.
@@ -149,7 +164,7 @@ class Sampler:
                 if g is not None and not greedy[i]:
                     noise[i].exponential_(generator=g)
             sampled = (probs / noise).argmax(-1)
-            tokens = torch.where(_on_device(greedy, device), logits.argmax(-1), sampled)
+            tokens = torch.where(on_device(greedy, device), logits.argmax(-1), sampled)
         top_counts = [p.top_logprobs for p in params]
         copies = [tokens]
         if any(p.logprobs or p.top_logprobs > 0 for p in params):

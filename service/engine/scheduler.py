@@ -28,6 +28,8 @@ class ScheduledBatch:
     is_prefill: list[bool] = field(default_factory=list)  # prompt (or recomputation) chunk, not a decode
     block_tables: list[list[int]] = field(default_factory=list)  # each sequence's blocks (read-only for the runner)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to do first
+    forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (child, parent): child samples from the
+    # logits of its parent's last prompt token in this step
     num_preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -68,12 +70,19 @@ class Scheduler:
         self.waiting.append(seq)
 
     def free(self, seq: Sequence) -> None:
-        """Drops a sequence wherever it is (finished, aborted or failed) and frees its blocks."""
+        """Drops a sequence wherever it is (finished, aborted or failed) and frees its blocks. Completions still
+        waiting to fork from it go on alone."""
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.request_id)
+        elif seq.fork_of is not None:
+            seq.fork_of.forks.remove(seq)
         elif seq.status == Status.WAITING:
             self.waiting.remove(seq)
+        for child in seq.forks:
+            child.fork_of = None
+            self.waiting.appendleft(child)
+        seq.forks = []
         seq.status = Status.FINISHED
 
     def at_limit(self, seq: Sequence) -> bool:
@@ -115,7 +124,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and not batch.num_preemptions):
             seq = self.waiting[0]
-            if not bm.can_allocate(seq.cache_keys):
+            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):
                 break
             self.waiting.popleft()
             cached = bm.allocate(seq.request_id, seq.cache_keys)
@@ -132,6 +141,18 @@ class Scheduler:
                 # The prompt's KV is complete once this step runs: publish its full blocks to the prefix cache.
                 # Only later steps can hit them (admissions above are done), and the GPU runs those after this one.
                 bm.publish(seq.request_id, seq.cache_keys)
+                self._fork(seq, batch)
         batch.prefix_queried_tokens = bm.prefix_queried_tokens - queried
         batch.prefix_hit_tokens = bm.prefix_hit_tokens - hits
         return batch
+
+    def _fork(self, parent: Sequence, batch: ScheduledBatch) -> None:
+        """The completions waiting on parent take its blocks (shared until one writes: copy-on-write) and run."""
+        for child in parent.forks:
+            self.block_manager.fork(parent.request_id, child.request_id)
+            child.fork_of, child.status = None, Status.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_prompt_tokens, child.queue_seconds = parent.num_cached_prompt_tokens, parent.queue_seconds
+            self.running.append(child)
+            batch.forks.append((child, parent))
+        parent.forks = []

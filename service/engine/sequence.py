@@ -33,6 +33,11 @@ class Sequence:
     # on the GPU: token_ids[-1] is PENDING and pending_row is its row in that step's sampled tokens. The next step
     # reads its input from there on the device; the host learns the value when the step completes.
     pending_row: int = -1
+    matcher: object = None  # the grammar's xgrammar matcher, advanced by every generated token
+    # n > 1: the other completions wait here, without KV blocks, until this one's prompt is computed; the
+    # scheduler then forks them (they share its blocks, copy-on-write) in the step that samples its first token.
+    forks: list["Sequence"] = field(default_factory=list)
+    fork_of: "Sequence | None" = None  # while waiting in fork_of.forks
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,93 @@
+"""Structured outputs: a request's grammar (a JSON schema, any JSON, or a regular expression) compiled by
+xgrammar against the model's vocabulary, and the per-step token masks that keep its output inside the grammar.
+
+Compiling takes milliseconds to seconds, so it runs on worker threads (xgrammar caches compiled grammars by
+their source); the engine core admits the request once it is done. Each step, the masks of the grammar-bound rows
+are filled on the CPU while the GPU runs the step's forward pass, and the sampler applies them to the logits.
+"""
+import json
+import re
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from service.protocol import Grammar
+
+COMPILE_THREADS = 2
+# xgrammar's messages start with a timestamp and a C++ source location: the client needs neither.
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+class GrammarError(ValueError):
+    """The grammar cannot be compiled (the message says why, for the client)."""
+
+
+def _message(error: Exception) -> str:
+    return _SOURCE_PREFIX.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+
+
+class Grammars:
+    """The engine's compiler of request grammars for one tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        self._tokenizer, self.vocab_size, self._stop_token_ids = tokenizer, vocab_size, stop_token_ids
+        self._compiler = self._batch = self._json_tokens = None
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+
+    def _compile(self, grammar: Grammar):
+        import xgrammar as xgr  # a second of imports, paid by the first grammar, on a worker thread
+
+        if self._compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self._stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info)
+            self._batch = xgr.BatchGrammarMatcher()  # fills many rows' masks on its own threads
+            self._json_tokens = self._without_control_bytes(info.decoded_vocab)
+        try:
+            if grammar.kind == "json":
+                # Compact JSON: a model that likes whitespace could otherwise spend its whole budget on it.
+                schema = grammar.value or json.dumps({"type": "object"})
+                return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            if grammar.kind == "regex":
+                return self._compiler.compile_regex(grammar.value)
+        except Exception as e:  # xgrammar raises RuntimeError (and ValueError) for every bad input
+            raise GrammarError(_message(e)) from None
+        raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
+
+    def _without_control_bytes(self, decoded_vocab: list[bytes]) -> torch.Tensor:
+        """Bits of the tokens with no control character. JSON strings must escape those, but xgrammar's strings
+        with a maxLength let them through (0.2.8); compact JSON never needs one outside a string either."""
+        allowed = torch.zeros(self.words * 32, dtype=torch.bool)
+        allowed[:len(decoded_vocab)] = torch.tensor([not any(b < 0x20 for b in t) for t in decoded_vocab])
+        bits = allowed.view(self.words, 32).to(torch.int64) << torch.arange(32)
+        return bits.sum(1).to(torch.int32)  # int32 wraps bit 31 to the sign, as xgrammar's masks have it
+
+    @property
+    def words(self) -> int:
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, grammar: Grammar) -> Future:
+        """A future of the compiled grammar; its exception is GrammarError for a bad one."""
+        return self._pool.submit(self._compile, grammar)
+
+    @staticmethod
+    def matcher(compiled):
+        import xgrammar as xgr
+
+        return xgr.GrammarMatcher(compiled)
+
+    def fill_masks(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
+        """The allowed tokens of each matcher's next step, as bits: [len(matchers), ceil(vocab / 32)] int32 in
+        pinned memory (ready for a copy to the device that does not wait). A finished matcher allows everything:
+        its row's token is dropped anyway. json_rows: the rows of JSON grammars."""
+        masks = torch.full((len(matchers), self.words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        live = [row for row, matcher in enumerate(matchers) if not matcher.is_terminated()]
+        if live:
+            self._batch.batch_fill_next_token_bitmask([matchers[row] for row in live], masks, live)
+        if json_rows:
+            masks[json_rows] &= self._json_tokens
+        return masks
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
