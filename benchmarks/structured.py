@@ -36,8 +36,29 @@ ORDER = {"type": "object", "required": ["id", "status", "customer", "items"], "p
         "note": {"type": "string"}}}}}}
 
 
-def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None) -> dict:
+class Timers:
+    """Host seconds spent in the engine's parts (wrapped methods), to tell where a constrained step's time goes."""
+
+    def __init__(self, engine):
+        self.seconds: dict[str, float] = {}
+        for owner, name in ((engine.grammars, "fill_masks"), (engine, "_complete"), (engine, "sampler"),
+                            (engine.runner, "run"), (engine.scheduler, "schedule")):
+            setattr(owner, name, self._timed(name, getattr(owner, name)))
+
+    def _timed(self, name, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        return timed
+
+
+def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None, timers: Timers | None = None) -> dict:
     engine = llm.engine
+    if timers is not None:
+        timers.seconds.clear()
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=i,
                                                            ignore_eos=grammar is None, grammar=grammar))
@@ -71,7 +92,8 @@ def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None) -> dict:
                 except (ValueError, jsonschema.ValidationError):
                     print(f"  invalid output {rid}: {text[:120]!r}")
     full_steps.sort()
-    return {"tok_per_s": generated / elapsed, "tokens": generated, "seconds": elapsed,
+    host = {k: round(1e3 * v / max(1, len(full_steps)), 3) for k, v in (timers.seconds if timers else {}).items()}
+    return {"host_ms_per_step": host,"tok_per_s": generated / elapsed, "tokens": generated, "seconds": elapsed,
             "full_batch_step_median_ms": 1e3 * full_steps[len(full_steps) // 2] if full_steps else None,
             "finished_by_grammar": sum(r in ("stop", "eos_token") for r in reasons.values()),
             "validated": valid, "checked": checked}
@@ -80,6 +102,7 @@ def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    parser.add_argument("--profile", action="store_true", help="time the engine's host parts per step")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -93,15 +116,16 @@ def main():
                "commit": os.environ.get("BENCH_COMMIT"), "rows": [],
                "config": "Qwen2.5-0.5B-shaped, random bf16, embedded 4096-token tokenizer"}
     prompt = lambda: torch.randint(0, CONFIG["vocab_size"], (PROMPT_LEN,), generator=g).tolist()  # noqa: E731
+    timers = Timers(llm.engine) if args.profile else None
     run(llm, [prompt() for _ in range(8)], grammar)  # warm-up: kernels, xgrammar's threads
     print(f"{'batch':>5} {'mode':>12} {'tok/s':>9} {'step ms':>8} {'tokens':>7} {'ended':>6} {'valid':>6}")
     for batch in (1, 64):
         for mode, g_ in (("free", None), ("json_schema", grammar)):
-            r = run(llm, [prompt() for _ in range(batch)], g_)
+            r = run(llm, [prompt() for _ in range(batch)], g_, timers)
             results["rows"].append({"batch": batch, "mode": mode, **r})
             step = r["full_batch_step_median_ms"]
             print(f"{batch:5d} {mode:>12} {r['tok_per_s']:9.0f} {step or 0:8.2f} {r['tokens']:7d} "
-                  f"{r['finished_by_grammar']:6d} {r['validated']:3d}/{r['checked']}")
+                  f"{r['finished_by_grammar']:6d} {r['validated']:3d}/{r['checked']}  {r['host_ms_per_step'] or ''}")
         free, bound = results["rows"][-2], results["rows"][-1]
         ratio = bound["tok_per_s"] / free["tok_per_s"]
         results[f"ratio_batch{batch}"] = ratio

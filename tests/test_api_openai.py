@@ -207,6 +207,9 @@ def test_tokenize_and_detokenize_in_vllm_and_tgi_shapes(base_url):
     assert r["token_strs"] == tokenizer.convert_ids_to_tokens(r["tokens"])
     chat = httpx.post(f"{base_url}/tokenize", json={"messages": MESSAGES}).json()
     assert chat["tokens"] == encode_chat(tokenizer, MESSAGES, add_generation_prompt=True)
+    special = httpx.post(f"{base_url}/tokenize", json={"messages": MESSAGES, "add_special_tokens": True}).json()
+    wrapped = tokenizer.encode("a", add_special_tokens=True)  # the embedded tokenizer adds none: same ids
+    assert special["tokens"] == chat["tokens"] and wrapped == tokenizer.encode("a", add_special_tokens=False)
     back = httpx.post(f"{base_url}/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
     assert back == {"prompt": tokenizer.decode(r["tokens"])} and text in back["prompt"]
     tgi = httpx.post(f"{base_url}/tokenize", json={"inputs": text}).json()  # TGI's: ids with text and offsets

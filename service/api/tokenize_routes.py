@@ -62,11 +62,20 @@ async def tokenize(request: Request):
         except ChatTemplateError as e:
             raise APIError(422, f"messages: {e}", param="messages") from None
         if req.add_special_tokens:
-            ids = tokenizer.build_inputs_with_special_tokens(ids)
+            ids = _with_special_tokens(tokenizer, ids)
     result = {"count": len(ids), "max_model_len": client.max_model_len, "tokens": ids}
     if req.return_token_strs:
         result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return _json(result)
+
+
+def _with_special_tokens(tokenizer, ids: list[int]) -> list[int]:
+    """ids wrapped in the special tokens the tokenizer adds around a text (BOS, say), found by encoding a probe
+    with and without them (transformers 5 tokenizers have no build_inputs_with_special_tokens)."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    at = next(i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain)
+    return full[:at] + ids + full[at + len(plain):]
 
 
 @router.post("/detokenize")

@@ -84,8 +84,11 @@ class Grammars:
         live = [row for row, matcher in enumerate(matchers) if not matcher.is_terminated()]
         if live:
             self._batch.batch_fill_next_token_bitmask([matchers[row] for row in live], masks, live)
-        if json_rows:
-            masks[json_rows] &= self._json_tokens
+        if len(json_rows) == len(matchers):
+            masks &= self._json_tokens
+        else:
+            for row in json_rows:
+                masks[row] &= self._json_tokens
         return masks
 
     def shutdown(self) -> None:
