@@ -76,6 +76,10 @@ class Grammars:
 
         return xgr.GrammarMatcher(compiled)
 
+    def accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        """Advances each matcher by its row's sampled token (in one call); False where a token was refused."""
+        return self._batch.batch_accept_token(matchers, tokens)
+
     def fill_masks(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
         """The allowed tokens of each matcher's next step, as bits: [len(matchers), ceil(vocab / 32)] int32 in
         pinned memory (ready for a copy to the device that does not wait). A finished matcher allows everything:

@@ -80,6 +80,10 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(s.model)
         cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(s.device)
+        if self.device.type == "cuda":
+            # The host's tensor work here is small and serial; idle OpenMP threads spinning after it would take
+            # the cores that the grammar threads and the front-ends need.
+            torch.set_num_threads(1)
         dtype = resolve_dtype(s.dtype, cfg, self.device)
         local = s.model is None or self.model_dir == Path(s.model)
         self.model_name = s.served_model_name or (self.model_dir.resolve().name if local else s.model)
@@ -294,6 +298,10 @@ class LLMEngine:
         except Exception as e:
             return self._fail(done.batch.seqs, e)
         outputs = []
+        bound = [row for row, seq in enumerate(done.seqs) if seq.matcher is not None and seq.status != Status.FINISHED
+                 and not seq.matcher.is_terminated()]
+        accepted = dict(zip(bound, self.grammars.accept([done.seqs[row].matcher for row in bound],
+                                                        [tokens[row] for row in bound]))) if bound else {}
         for row, (seq, pos) in enumerate(zip(done.seqs, done.positions)):
             if seq.status == Status.FINISHED:  # aborted, or ended by the step before: drop the token
                 continue
@@ -305,7 +313,7 @@ class LLMEngine:
                 reason = "stop"
             elif token in self.eos_token_ids and not p.ignore_eos:
                 reason = "eos_token"
-            elif seq.matcher is not None and not seq.matcher.accept_token(token):
+            elif not accepted.get(row, True):
                 log.error("request %s: token %d is outside its grammar", seq.request_id, token)
                 reason = "stop"
             elif seq.matcher is not None and seq.matcher.is_terminated():
