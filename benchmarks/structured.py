@@ -3,7 +3,8 @@ masks filled on the CPU while the GPU runs the step, applied in the sampler), be
 in one run, on the random bf16 Qwen2.5-0.5B-shaped checkpoint of benchmarks/generate.py (with the embedded
 model's 4096-token tokenizer: the masks' CPU cost grows with a real 150k vocabulary's, their GPU cost does not).
 
-Batch 64 (and 1), 128-token random prompts, up to 256 new tokens, sampled at temperature 1 (seeded). Constrained
+Batch 64 (and 1), 128-token random prompts, up to 256 new tokens, sampled at temperature 1 (no seed: seeded rows
+add a per-row draw to every step, constrained or not). Constrained
 outputs that end (finish "stop") are parsed and checked against the schema with `jsonschema` when installed.
 
 python benchmarks/structured.py [--out DIR]
@@ -60,7 +61,7 @@ def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None, timers: Tim
     if timers is not None:
         timers.seconds.clear()
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=i,
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0,
                                                            ignore_eos=grammar is None, grammar=grammar))
     tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     reasons = {}
