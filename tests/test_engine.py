@@ -446,3 +446,14 @@ def test_grammars_and_forks_on_the_gpu_with_graphs_and_overlap(model_dir, prompt
     single = llm.generate(prompts[8], GREEDY)[0].token_ids
     assert [o.token_ids for o in outs[8:]] == [single] * 4
     assert_no_leaks(llm)
+
+
+def test_sampler_grammar_masks_forbid_every_other_token_and_the_ids_past_the_tokenizer():
+    logits = torch.zeros(3, 70)
+    logits[:, 60] = 50.0  # an id past the masks' 32 tokens (a padded embedding): never allowed
+    logits[:, 9] = 40.0  # allowed in no mask
+    masks = torch.tensor([[(1 << 3) | (1 << 5)], [1 << 7]], dtype=torch.int32)
+    free = SamplingParams(temperature=0.0)
+    tokens = Sampler()(logits, [free, SamplingParams(temperature=1.0, seed=0), free], [None] * 3,
+                       masks=(masks, [0, 1])).fetch()[0]
+    assert tokens[0] in (3, 5) and tokens[1] == 7 and tokens[2] == 60

@@ -84,12 +84,14 @@ def _add_at(logits, entries: list[tuple[int, int, float]]) -> None:
 
 def _apply_token_masks(logits, masks: torch.Tensor, rows: list[int]) -> None:
     """Grammars: sets the logits of the tokens each row's mask forbids to -inf. masks: [len(rows), words] int32
-    bits (bit j of word w allows token 32 w + j), in pinned memory."""
+    bits (bit j of word w allows token 32 w + j), in pinned memory; ids past the masks are forbidden."""
     device = logits.device
     index = on_device(rows, device)
     words = masks.to(device, non_blocking=True)
     bits = torch.arange(32, device=device, dtype=torch.int32)
     allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
+    if allowed.shape[1] < logits.shape[-1]:
+        allowed = torch.nn.functional.pad(allowed, (0, logits.shape[-1] - allowed.shape[1]), value=False)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
