@@ -80,10 +80,6 @@ class LLMEngine:
         self.model_dir = resolve_model_dir(s.model)
         cfg = ModelConfig.from_dir(self.model_dir)
         self.device = resolve_device(s.device)
-        if self.device.type == "cuda":
-            # The host's tensor work here is small and serial; idle OpenMP threads spinning after it would take
-            # the cores that the grammar threads and the front-ends need.
-            torch.set_num_threads(1)
         dtype = resolve_dtype(s.dtype, cfg, self.device)
         local = s.model is None or self.model_dir == Path(s.model)
         self.model_name = s.served_model_name or (self.model_dir.resolve().name if local else s.model)
