@@ -102,6 +102,8 @@ class Generation:
         self.ready = asyncio.Event()
         for choice, stream in enumerate(streams):
             stream.choice, stream.timer, stream.ready = choice, self.timer, self.ready
+            if stream.waiting or stream.finished:  # it woke its own event before this one took over
+                self.ready.set()
         self.outcome = "aborted"  # until the engine says it finished
         self.done = False
 
