@@ -59,6 +59,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                 or self.grammar is not None)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a request's completion `index` (n > 1, best_of): the request's seed + index, wrapped to 64 bits."""
+    return (seed + index) % 2**64
+
+
 def choice_ids(request_id: str, n: int) -> list[str]:
     """The engine's ids of a request's n completions: the request's own id, then one per further completion."""
     return [request_id] + [f"{request_id}#{i}" for i in range(1, n)]

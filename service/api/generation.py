@@ -87,6 +87,11 @@ def fit_context(prompt_tokens: int, max_new_tokens: int | None, default: int | N
     return max_new_tokens
 
 
+def by_likelihood(choices: list[list[TokenOutput]]) -> list[int]:
+    """best_of: the completions' indexes, the highest total logprob first."""
+    return sorted(range(len(choices)), key=lambda i: -sum(out.logprob or 0.0 for out in choices[i]))
+
+
 class Generation:
     """One admitted request: its completions (n > 1, or several prompts, each a request in the core) as streams
     sharing one wake-up event and one timer. `await Generation.submit(...)` admits it (429 / 422 / 400 / 503 at

@@ -14,6 +14,7 @@ from service.api.errors import APIError
 from service.api.generation import (
     EventStream,
     Generation,
+    by_likelihood,
     check_stop,
     encode_prompt,
     engine,
@@ -165,11 +166,6 @@ def _completion_logprobs(call: _Call, outputs: list[TokenOutput], offset: int, w
             "text_offset": offsets}
 
 
-def best(choices: list[list[TokenOutput]], n: int) -> list[list[TokenOutput]]:
-    """best_of: the n completions of highest total logprob, in that order."""
-    return sorted(choices, key=lambda outs: -sum(out.logprob or 0.0 for out in outs))[:n]
-
-
 @router.post("/completions")
 async def completions(request: Request):
     req = await read_json(request, CompletionRequest, request.app.state.settings.max_request_bytes)
@@ -196,7 +192,8 @@ async def completions(request: Request):
             return Response(status_code=499)
         body = []
         for i, echo in enumerate(echoes):
-            for outputs in best(choices[i * best_of:(i + 1) * best_of], req.n):
+            group = choices[i * best_of:(i + 1) * best_of]
+            for outputs in [group[k] for k in by_likelihood(group)[:req.n]]:
                 text = echo + "".join(out.text for out in outputs)
                 body.append(choice(len(body), text, outputs, len(echo), FINISH_REASONS[outputs[-1].finish_reason]))
         return _json({"id": call.id, "object": "text_completion", "created": call.created, "model": call.model,

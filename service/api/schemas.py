@@ -131,7 +131,6 @@ class JSONSchemaFormat(_Body):
 
 
 class ResponseFormat(_Body):
-    model_config = ConfigDict(populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
 

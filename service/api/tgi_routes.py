@@ -14,6 +14,7 @@ from service.api.errors import APIError
 from service.api.generation import (
     EventStream,
     Generation,
+    by_likelihood,
     check_stop,
     encode_prompt,
     engine,
@@ -22,7 +23,7 @@ from service.api.generation import (
     sse,
 )
 from service.api.schemas import TGIGrammar, TGIParameters, TGIRequest
-from service.protocol import Grammar, SamplingParams
+from service.protocol import Grammar, SamplingParams, choice_seed
 
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's documented default, capped by the room the context leaves
 FINISH_REASONS = {"length": "length", "eos_token": "eos_token", "stop": "stop_sequence"}
@@ -103,7 +104,7 @@ async def _generate(request: Request, body: TGIRequest) -> Response:
     if choices is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
     # best_of: the likeliest sequence answers; the others are in details.best_of_sequences
-    ranked = sorted(range(len(choices)), key=lambda i: -sum(out.logprob or 0.0 for out in choices[i]))
+    ranked = by_likelihood(choices)
     outputs = choices[ranked[0]]
     result = {"generated_text": _generated_text(body, "".join(out.text for out in outputs))}
     if body.parameters.details:
@@ -112,7 +113,7 @@ async def _generate(request: Request, body: TGIRequest) -> Response:
                    if body.parameters.decoder_input_details else [])
 
         def details(i: int) -> dict:
-            seed = None if params.seed is None else (params.seed + i) % 2**64
+            seed = None if params.seed is None else choice_seed(params.seed, i)
             return {"finish_reason": FINISH_REASONS[choices[i][-1].finish_reason],
                     "generated_tokens": len(choices[i]), "seed": seed, "prefill": prefill,
                     "tokens": [_token(out) for out in choices[i]]}

@@ -27,7 +27,7 @@ from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import PENDING, Sequence, Status
 from service.model.config import ModelConfig
 from service.model.loader import eos_token_ids, load_model, resolve_dtype, resolve_model_dir
-from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids
+from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids, choice_seed
 from service.text import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -180,7 +180,7 @@ class LLMEngine:
         for i, rid in enumerate(ids):
             generator = None
             if params.seed is not None and not params.greedy:
-                generator = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
+                generator = torch.Generator(device=self.device).manual_seed(choice_seed(params.seed, i))
             seq = Sequence(rid, list(prompt_token_ids), params, generator, adapter)
             if grammar is not None:
                 seq.matcher = self.grammars.matcher(grammar)
