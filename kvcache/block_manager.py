@@ -84,34 +84,32 @@ class BlockManager:
         self.prefix_hit_tokens += cached
         return cached
 
-    def _needs_copy(self, seq_id, position: int) -> bool:
-        table = self.tables[seq_id]
-        index = position // self.block_size
-        return index < len(table) and self.allocator.ref_counts[table[index]] > 1
-
-    def can_append(self, seq_id, num_new_tokens: int = 1) -> bool:
-        n = self.num_tokens[seq_id] + num_new_tokens
-        needed = self._num_blocks(n) - len(self.tables[seq_id]) + self._needs_copy(seq_id, self.num_tokens[seq_id])
-        return needed <= self.num_free_blocks
-
-    def append(self, seq_id, token_ids: list[int]) -> list[tuple[int, int]]:
-        table, n = self.tables[seq_id], len(token_ids)
-        if n < self.num_tokens[seq_id]:
+    def append(self, seq_id, token_ids: list) -> list[tuple[int, int]] | None:
+        """Grows the sequence to len(token_ids) tokens: the copy-on-write block copies to do before they are written,
+        or None (and nothing changed) when there are not enough free blocks."""
+        table, old, n, bs = self.tables[seq_id], self.num_tokens[seq_id], len(token_ids), self.block_size
+        if n < old:
             raise ValueError("a sequence cannot shrink")
+        first, blocks, refs = old // bs, self._num_blocks(n), self.allocator.ref_counts
         copies = []
-        # Copy-on-write: positions from the old length on are about to be written; a block shared with a
-        # fork (or cached) must become private first.
-        first = self.num_tokens[seq_id] // self.block_size
-        for index in range(first, min(len(table), self._num_blocks(n))):
-            if self.allocator.ref_counts[table[index]] > 1:
+        if n == old or (blocks <= len(table) and blocks - first == 1 and refs[table[first]] == 1):
+            pass  # a decode's common case, kept short: its token lands in a block of its own
+        else:
+            # Copy-on-write: positions from the old length on are about to be written; a block shared with a
+            # fork (or cached) must become private first.
+            shared = [i for i in range(first, min(len(table), blocks)) if refs[table[i]] > 1]
+            if blocks - len(table) + len(shared) > self.num_free_blocks:
+                return None
+            for index in shared:
                 new = self.allocator.allocate()
                 copies.append((table[index], new))
                 self.allocator.free(table[index], cached=table[index] in self.block_to_hash)
                 table[index] = new
-        while len(table) < self._num_blocks(n):
-            table.append(self.allocator.allocate())
+            while len(table) < blocks:
+                table.append(self.allocator.allocate())
         self.num_tokens[seq_id] = n
-        self.publish(seq_id, token_ids)
+        if self.enable_prefix_caching and (n - 1) // bs > len(self.hashes[seq_id]):
+            self.publish(seq_id, token_ids)
         return copies
 
     def publish(self, seq_id, token_ids: list) -> None:

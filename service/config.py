@@ -37,6 +37,11 @@ class Settings(BaseSettings):
     cuda_graphs: bool = True
     cuda_graph_max_prefill_tokens: int = Field(2048, ge=0, description="prefill and mixed steps of up to this many "
                                                "tokens replay CUDA graphs too (0: they run eagerly)")
+    max_mixed_step_tokens: int | None = Field(None, ge=1, description="most tokens of a step that carries decodes "
+                                              "(prompts get what the decodes leave). Default: the largest prefill "
+                                              "CUDA graph (if it holds 2 * max_num_seqs), so that such steps replay "
+                                              "one and decodes never wait on a long eager step; else "
+                                              "max_num_batched_tokens")
     async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
                                           "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "

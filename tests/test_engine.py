@@ -55,10 +55,11 @@ def alone(model_dir, prompts):
     dict(num_kv_blocks=24),  # tiny cache: preemption and recomputation
     dict(num_kv_blocks=512, max_num_batched_tokens=32),  # chunked prefill
     dict(num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=5),
-], ids=["batched", "preempting", "chunked", "all-tight"])
+    dict(num_kv_blocks=512, max_num_batched_tokens=512, max_mixed_step_tokens=24),  # prompts chunked beside decodes
+], ids=["batched", "preempting", "chunked", "all-tight", "mixed-capped"])
 def test_batch_matches_alone(model_dir, prompts, alone, settings, async_scheduling):
     llm = make_llm(model_dir, async_scheduling=async_scheduling, **settings)
-    preemptions, hits = [], []
+    preemptions, hits, mixed = [], [], []
     step = llm.engine.step
 
     def counting_step():
@@ -66,12 +67,17 @@ def test_batch_matches_alone(model_dir, prompts, alone, settings, async_scheduli
         if stats:
             preemptions.append(stats.num_preemptions)
             hits.append(stats.prefix_hit_tokens)
+            if stats.num_decode_tokens and stats.num_prefill_tokens:
+                mixed.append(stats)
         return outputs, stats
 
     llm.engine.step = counting_step
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == alone
     assert all(o.finish_reason == "length" for o in outs)
+    if "max_mixed_step_tokens" in settings:  # prompts took only what the decodes left of the cap
+        cap = settings["max_mixed_step_tokens"]
+        assert mixed and all(s.num_prefill_tokens <= cap - s.num_decode_tokens for s in mixed)
     if settings["num_kv_blocks"] < 30:
         assert sum(preemptions) > 0
     else:

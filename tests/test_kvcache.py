@@ -82,7 +82,9 @@ def test_fork_copy_on_write_and_no_leaks():
     assert copies == [(m.block_table("p")[1], m.block_table("c")[1])]
     assert m.append("p", tokens + [2]) == []  # now private to the parent
     assert m.slot_mapping("c", 4, 7) == [m.block_table("c")[1] * 4 + i for i in range(3)]
-    assert m.can_append("c", 5) and not m.can_append("c", 100)
+    free = m.num_free_blocks
+    assert m.append("c", tokens + [1] * 100) is None  # more blocks than are free: nothing changes
+    assert m.num_free_blocks == free and len(m.block_table("c")) == 2
     m.append("c", tokens + [1, 2, 3])
     assert len(m.block_table("c")) == 3
     m.free("p")

@@ -108,8 +108,12 @@ class LLMEngine:
         if self.device.type == "cuda":
             tuning.save(tuning_dir)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, s.block_size, kv_cache.nbytes / 2**20)
+        # A step with decodes fits the largest prefill graph, if that leaves prompts room beside a full decode batch.
+        graph_tokens = max((t for t, _ in self.runner.prefill_graphs), default=0)
+        mixed = s.max_mixed_step_tokens or (graph_tokens if graph_tokens >= 2 * s.max_num_seqs
+                                            else s.max_num_batched_tokens)
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
-                                   s.max_num_batched_tokens, self.max_model_len)
+                                   s.max_num_batched_tokens, self.max_model_len, mixed)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
@@ -298,29 +302,35 @@ class LLMEngine:
                  and not seq.matcher.is_terminated()]
         accepted = dict(zip(bound, self.grammars.accept([done.seqs[row].matcher for row in bound],
                                                         [tokens[row] for row in bound]))) if bound else {}
+        finished, eos, max_len = Status.FINISHED, self.eos_token_ids, self.max_model_len
         for row, (seq, pos) in enumerate(zip(done.seqs, done.positions)):
-            if seq.status == Status.FINISHED:  # aborted, or ended by the step before: drop the token
+            if seq.status is finished:  # aborted, or ended by the step before: drop the token
                 continue
             token = tokens[row]
             seq.token_ids[pos] = token
-            p, n_out = seq.params, pos + 1 - seq.num_prompt_tokens
+            p, n_out = seq.params, pos + 1 - len(seq.prompt_token_ids)
             reason = None
             if token in p.stop_token_ids:
                 reason = "stop"
-            elif token in self.eos_token_ids and not p.ignore_eos:
+            elif token in eos and not p.ignore_eos:
                 reason = "eos_token"
-            elif not accepted.get(row, True):
-                log.error("request %s: token %d is outside its grammar", seq.request_id, token)
-                reason = "stop"
-            elif seq.matcher is not None and seq.matcher.is_terminated():
-                reason = "stop"  # the grammar is complete: it took a stop token (ignore_eos did not end it)
-            elif n_out >= p.max_new_tokens or pos + 1 >= self.max_model_len:
+            elif seq.matcher is not None:
+                if not accepted.get(row, True):
+                    log.error("request %s: token %d is outside its grammar", seq.request_id, token)
+                    reason = "stop"
+                elif seq.matcher.is_terminated():
+                    reason = "stop"  # the grammar is complete: it took a stop token (ignore_eos did not end it)
+            if reason is None and (n_out >= p.max_new_tokens or pos + 1 >= max_len):
                 reason = "length"
-            first = n_out == 1
-            outputs.append(RequestOutput(
-                seq.request_id, token, logprobs[row] if logprobs is not None and p.logprobs else None,
-                tops[row] if tops is not None else None, reason, seq.num_prompt_tokens if first else 0,
-                seq.num_cached_prompt_tokens if first else 0, seq.queue_seconds if first else None))
+            if n_out == 1:
+                out = RequestOutput(seq.request_id, token, None, None, reason, len(seq.prompt_token_ids),
+                                    seq.num_cached_prompt_tokens, seq.queue_seconds)
+            else:
+                out = RequestOutput(seq.request_id, token, finish_reason=reason)
+            if logprobs is not None:
+                out.logprob = logprobs[row] if p.logprobs else None
+                out.top_logprobs = tops[row] if tops is not None else None
+            outputs.append(out)
             if reason is not None:
                 self.abort(seq.request_id)
         return outputs

@@ -134,7 +134,7 @@ class Sampler:
         the draw."""
         logits = logits.float()
         device = logits.device
-        if any(p.needs_history for p in params):
+        if seen_tokens is not None:
             logits = _apply_repetition_penalty(logits, [p.repetition_penalty for p in params], seen_tokens)
             logits = _apply_output_penalties(logits, params, seen_tokens, prompt_lens)
         if any(p.logit_bias for p in params):

@@ -50,10 +50,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, max_mixed_tokens: int | None = None):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # Most tokens of a step that carries decodes (so that it replays a CUDA graph): prompts get what is left.
+        self.max_mixed_tokens = min(max_mixed_tokens or max_num_batched_tokens, max_num_batched_tokens)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
@@ -100,28 +102,44 @@ class Scheduler:
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
-        for seq in list(self.running):
+        decodes = 0
+
+        def prompt_room(later: int = 0) -> int:
+            """Tokens a prompt chunk may take now, leaving one to each of `later` sequences still to schedule."""
+            if not decodes:
+                return budget - later
+            return min(budget, self.max_mixed_tokens - (self.max_num_batched_tokens - budget)) - later
+
+        running = list(self.running)
+        for i, seq in enumerate(running):
             if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
             # preempted below while making room for an older one, or its token in flight is its last
             if seq.status != Status.RUNNING or self.at_limit(seq):
                 continue
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
-            missing = len(seq.token_ids) - bm.num_tokens[seq.request_id]
-            while missing and not bm.can_append(seq.request_id, missing):
-                victim = self.running[-1]
-                self._preempt(victim)
-                batch.num_preemptions += 1
-                if victim is seq:
-                    break
-            if seq.status != Status.RUNNING:
-                continue
-            if missing:
-                batch.copies += bm.append(seq.request_id, seq.cache_keys)
+            if len(seq.token_ids) > bm.num_tokens[seq.request_id]:
+                copies = bm.append(seq.request_id, seq.cache_keys)
+                while copies is None:  # out of blocks: preempt the newest sequences, this one last
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    batch.num_preemptions += 1
+                    if victim is seq:
+                        break
+                    copies = bm.append(seq.request_id, seq.cache_keys)
+                if seq.status != Status.RUNNING:
+                    continue
+                batch.copies += copies
             n = min(seq.num_uncomputed_tokens, budget)
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decodes += 1
+            else:  # a prompt chunk (a long prompt's, or a preempted sequence's)
+                n = min(n, prompt_room(later=len(running) - i - 1))
+                if n < 1:
+                    continue
             batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
-        while (self.waiting and budget > 0 and len(batch.seqs) < self.max_num_seqs
+        while (self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and not batch.num_preemptions):
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):
@@ -133,7 +151,7 @@ class Scheduler:
                 seq.queue_seconds = time.perf_counter() - seq.arrival
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, prompt_room())
             batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
         for seq, prefill in zip(batch.seqs, batch.is_prefill):
