@@ -132,6 +132,13 @@ class Sampler:
 
         In vLLM's order: penalties, logit bias, bans, grammar masks, then temperature, top-k / top-p, min-p, and
         the draw."""
+        if (seen_tokens is None and masks is None and not (banned and any(banned))
+                and all(p.greedy and not (p.logit_bias or p.logprobs or p.top_logprobs) for p in params)):
+            # Greedy with nothing to adjust or report: the argmax of the logits as they are (bf16 orders tokens as
+            # their float32 values do), one pass over the rows.
+            tokens = logits.argmax(-1)
+            host, ready = _to_host([tokens])
+            return Sampled(tokens, host, ready, [0] * len(params))
         logits = logits.float()
         device = logits.device
         if seen_tokens is not None:
