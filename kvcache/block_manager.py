@@ -92,9 +92,9 @@ class BlockManager:
             raise ValueError("a sequence cannot shrink")
         first, blocks, refs = old // bs, self._num_blocks(n), self.allocator.ref_counts
         copies = []
-        if n == old or (blocks <= len(table) and blocks - first == 1 and refs[table[first]] == 1):
-            pass  # a decode's common case, kept short: its token lands in a block of its own
-        else:
+        # A decode's common case stays short: its token lands in the one block it already owns.
+        private = blocks <= len(table) and blocks - first == 1 and refs[table[first]] == 1
+        if n > old and not private:
             # Copy-on-write: positions from the old length on are about to be written; a block shared with a
             # fork (or cached) must become private first.
             shared = [i for i in range(first, min(len(table), blocks)) if refs[table[i]] > 1]
@@ -108,7 +108,7 @@ class BlockManager:
             while len(table) < blocks:
                 table.append(self.allocator.allocate())
         self.num_tokens[seq_id] = n
-        if self.enable_prefix_caching and (n - 1) // bs > len(self.hashes[seq_id]):
+        if self.enable_prefix_caching and (n - 1) // bs > len(self.hashes[seq_id]):  # publish's bound, without a call
             self.publish(seq_id, token_ids)
         return copies
 
