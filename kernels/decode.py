@@ -6,6 +6,10 @@ gathered through the block table one by one, so a tile may span several cache bl
 the final output; otherwise it writes a partial output and its log-sum-exp, and phase 2 merges the splits.
 Chunks are sized from each sequence's own length on the device, and the split count from shapes alone, so the
 launcher never reads a device tensor on the host: it is free of synchronization and can be captured in a CUDA graph.
+
+attend_single_rows runs the same kernels on the one-row sequences of a packed varlen batch (the decodes of a step
+that also carries prompt chunks), in place in the step's output, so that the prefill kernel, which would spend a
+BLOCK_M-row tile and a pass over the keys per query head on each of them, only computes the multi-row sequences.
 """
 import math
 
@@ -19,7 +23,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, PartialOut, PartialLse,
+def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out, PartialOut, PartialLse,
                          scale_log2,
                          stride_qb, stride_qs, stride_qh,
                          stride_kb, stride_kt, stride_kh,
@@ -28,12 +32,19 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, Parti
                          stride_ob, stride_os, stride_oh,
                          GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                         VARLEN_Q: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     nheads_k = tl.num_programs(1)
     seqlen = tl.load(CacheSeqlens + b)
+    if VARLEN_Q:  # sequence b's one query row is row QRows[b] of a packed batch; seqlen 0: not ours, leave it
+        if seqlen == 0:
+            return
+        token = tl.load(QRows + b).to(tl.int64)
+    else:
+        token = b
 
     # Rows are (head in group, query position); keys this split sees: [start, end).
     rows = tl.arange(0, BLOCK_M)
@@ -43,7 +54,7 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, Parti
     head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM_PADDED)
     d_ok = d < HEAD_DIM
-    q = tl.load(Q + b * stride_qb + qi[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
+    q = tl.load(Q + token * stride_qb + qi[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -84,7 +95,7 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, Parti
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
     if NUM_SPLITS == 1:
-        tl.store(Out + b * stride_ob + qi[:, None] * stride_os + head[:, None] * stride_oh + d[None, :],
+        tl.store(Out + token * stride_ob + qi[:, None] * stride_os + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=out_mask)
     else:
         # Partials laid out [batch, nheads, seqlen_q, NUM_SPLITS, (HEAD_DIM)], contiguous.
@@ -95,14 +106,20 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, Out, Parti
 
 
 @triton.jit
-def _decode_merge_kernel(PartialOut, PartialLse, Out, nheads,
+def _decode_merge_kernel(PartialOut, PartialLse, Out, CacheSeqlens, QRows, nheads,
                          stride_ob, stride_os, stride_oh,
                          SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, VARLEN_Q: tl.constexpr):
     row = tl.program_id(0)  # over batch * nheads * seqlen_q, the partials' order
     qi = row % SEQLEN_Q
     head = (row // SEQLEN_Q) % nheads
     b = row // (SEQLEN_Q * nheads)
+    if VARLEN_Q:
+        if tl.load(CacheSeqlens + b) == 0:
+            return
+        token = tl.load(QRows + b).to(tl.int64)
+    else:
+        token = b
     sp = tl.arange(0, SPLITS_PADDED)
     d = tl.arange(0, HEAD_DIM_PADDED)
     lse = tl.load(PartialLse + row * NUM_SPLITS + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
@@ -112,7 +129,7 @@ def _decode_merge_kernel(PartialOut, PartialLse, Out, nheads,
     parts = tl.load(PartialOut + (row * NUM_SPLITS + sp[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(Out + b * stride_ob + qi * stride_os + head * stride_oh + d, out.to(Out.dtype.element_ty),
+    tl.store(Out + token * stride_ob + qi * stride_os + head * stride_oh + d, out.to(Out.dtype.element_ty),
              mask=d < HEAD_DIM)
 
 
@@ -174,12 +191,28 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sof
     [batch, max_blocks]. num_splits=0 picks a split count from the shapes (the block table's width bounds the
     context); any num_splits keeps the call free of host synchronization. Returns out like q."""
     _validate(q, k_cache, v_cache, cache_seqlens, block_table, num_splits)
-    batch, seqlen_q, nheads, head_dim = q.shape
+    out = torch.empty_like(q)
+    if q.shape[0] and q.shape[1]:
+        _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, None, softmax_scale, causal, num_splits)
+    return out
+
+
+def attend_single_rows(q, k_cache, v_cache, q_rows, cache_seqlens, block_table, out, softmax_scale, num_splits):
+    """The one-row sequences of a packed varlen batch, in place: for each sequence b with cache_seqlens[b] > 0,
+    row q_rows[b] of q [total_q, nheads, head_dim] (its newest token, the last of its cache_seqlens[b] cached
+    keys) attends all its keys, into the same row of out. Rows of sequences with cache_seqlens[b] == 0 are left
+    as they are. q_rows: int32 [>= batch], e.g. cu_seqlens_q. Inputs are assumed valid (the engine's runner
+    builds them); num_splits > 0, fixed, so the call can be captured in a CUDA graph."""
+    if cache_seqlens.shape[0]:
+        _launch(q.unsqueeze(1), k_cache, v_cache, cache_seqlens, block_table, out.unsqueeze(1), q_rows,
+                softmax_scale, True, num_splits)
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softmax_scale, causal, num_splits):
+    """q and out [rows, seqlen_q, nheads, head_dim]: row b of sequence b, or row q_rows[b] when given."""
+    batch, seqlen_q, nheads, head_dim = cache_seqlens.shape[0], q.shape[1], q.shape[2], q.shape[3]
     block_size, nheads_k = k_cache.shape[1], k_cache.shape[2]
     group = nheads // nheads_k
-    out = torch.empty_like(q)
-    if batch == 0 or seqlen_q == 0:
-        return out
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     # Keep a pipeline stage of K+V tiles near 64 KB of shared memory.
     block_n = DECODE_BLOCK_N // (head_dim_padded // 128 if head_dim_padded > 128 else 1)
@@ -193,8 +226,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sof
         partial_lse = torch.empty(batch, nheads, seqlen_q, num_splits, dtype=torch.float32, device=q.device)
     else:
         partial_out = partial_lse = out  # unused
+    varlen = q_rows is not None
+    q_rows = q_rows if varlen else cache_seqlens  # never read unless varlen
     _decode_split_kernel[(batch, nheads_k, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, block_table, out, partial_out, partial_lse,
+        q, k_cache, v_cache, cache_seqlens, block_table, q_rows, out, partial_out, partial_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -203,13 +238,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, sof
         out.stride(0), out.stride(1), out.stride(2),
         GROUP=group, SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=max(16, triton.next_power_of_2(group * seqlen_q)),
-        BLOCK_N=block_n, IS_CAUSAL=causal, num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
+        BLOCK_N=block_n, IS_CAUSAL=causal, VARLEN_Q=varlen, num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch * nheads * seqlen_q,)](
-            partial_out, partial_lse, out, nheads,
+            partial_out, partial_lse, out, cache_seqlens, q_rows, nheads,
             out.stride(0), out.stride(1), out.stride(2),
             SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, SPLITS_PADDED=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), num_warps=4,
+            HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), VARLEN_Q=varlen, num_warps=4,
         )
-    return out

@@ -1,5 +1,7 @@
 """Prefill attention forward (FlashAttention-2 style) over packed varlen batches, optionally reading K/V
-from a paged cache. One program computes BLOCK_M query rows of one head of one sequence."""
+from a paged cache. One program computes BLOCK_M query rows of one head of one sequence. With
+skip_single_rows, the one-row sequences (the decodes of a mixed serving step) are left to
+kernels.decode.attend_single_rows, which reads each K/V row once per head group instead of once per head."""
 import math
 
 import torch
@@ -95,7 +97,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
                     stride_v_tok, stride_v_h, stride_v_blk, stride_o_tok, stride_o_h, stride_bt,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_TMA: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    SKIP_SINGLE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     # Highest q-blocks first: under causal masking they carry the most work, so they should not straggle.
     start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -103,6 +106,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
     q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
     if start_m * BLOCK_M >= seqlen_q:
         return
+    if SKIP_SINGLE_ROWS:
+        if seqlen_q == 1:
+            return
     k_start, seqlen_k = sequence_span(cu_seqlens_k, batch)
     kv_head = head // group_size
 
@@ -150,14 +156,15 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
 
 
 def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       block_table=None):
+                       block_table=None, out=None, skip_single_rows=False):
     """Packed varlen forward. q [total_q, H, d]; k/v [total_k, H_k, d], or paged caches
     [num_blocks, block_size, H_k, d] with block_table. Returns (out like q, lse [H, total_q] float32).
-    Inputs are assumed validated by kernels.interface."""
+    out: written in place when given. skip_single_rows: the rows (and lse) of one-row sequences are left as
+    they are. Inputs are assumed validated by kernels.interface."""
     total_q, nheads, head_dim = q.shape
     nheads_k = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         lse.fill_(float("-inf"))
@@ -185,7 +192,8 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         q.stride(0), q.stride(1), stride_k_tok, stride_k_h, stride_k_blk,
         stride_v_tok, stride_v_h, stride_v_blk, out.stride(0), out.stride(1), stride_bt,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), IS_CAUSAL=bool(causal),
-        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, SKIP_SINGLE_ROWS=skip_single_rows,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out, lse
 

@@ -2,9 +2,10 @@
 import pytest
 import torch
 
-from kernels.decode import flash_attn_with_kvcache
-from kernels.reference import paged_attention_ref
-from tests.helpers import rel_err
+from kernels.decode import attend_single_rows, flash_attn_with_kvcache
+from kernels.prefill import flash_attn_forward
+from kernels.reference import gather_paged_kv, paged_attention_ref, varlen_attention_ref
+from tests.helpers import cu_seqlens, rel_err
 
 
 def make_paged(batch, seqlens, block_size, nheads, nheads_k, head_dim, seqlen_q, dtype, device, extra_cols=1):
@@ -105,3 +106,53 @@ def test_decode_gpu_multi_query_and_graph(seqlen_q):
     graph.replay()
     ref = paged_attention_ref(q.double(), kc.double(), vc.double(), lens, table)
     assert rel_err(out, ref) < 1e-2
+
+
+def check_mixed_step(lens_q, lens_k, block_size, nheads, nheads_k, head_dim, dtype, device, num_splits, tol=1e-2):
+    """A serving step's attention over a paged cache, decodes (one query row) among prompt chunks: the decode
+    kernel computes the one-row sequences in place, the prefill kernel skips them and computes the rest. Each
+    leaves the other's rows alone (a NaN sentinel stays), and together they match the float64 reference."""
+    batch = len(lens_q)
+    max_blocks = max(-(-n // block_size) for n in lens_k) + 2
+    num_blocks = batch * max_blocks + 3
+    k_cache = torch.randn(num_blocks, block_size, nheads_k, head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_blocks, device=device)[:batch * max_blocks].view(batch, max_blocks).to(torch.int32)
+    q = torch.randn(sum(lens_q), nheads, head_dim, dtype=dtype, device=device)
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
+    single = torch.tensor([k if n == 1 else 0 for n, k in zip(lens_q, lens_k)], dtype=torch.int32, device=device)
+    one_row = torch.tensor([n == 1 for n in lens_q for _ in range(n)], device=device)
+    scale = head_dim ** -0.5
+
+    out = torch.full_like(q, float("nan"))
+    attend_single_rows(q, k_cache, v_cache, cu_q, single, table, out, scale, num_splits)
+    assert out[~one_row].isnan().all() and not out[one_row].isnan().any()
+    alone = torch.full_like(q, float("nan"))
+    flash_attn_forward(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), scale, True, table, out=alone,
+                       skip_single_rows=True)
+    assert alone[one_row].isnan().all() and not alone[~one_row].isnan().any()
+    flash_attn_forward(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), scale, True, table, out=out,
+                       skip_single_rows=True)
+    k = torch.cat([gather_paged_kv(k_cache, table[b], n) for b, n in enumerate(lens_k)])
+    v = torch.cat([gather_paged_kv(v_cache, table[b], n) for b, n in enumerate(lens_k)])
+    ref, _ = varlen_attention_ref(q.double(), k.double(), v.double(), cu_q, cu_k, scale, causal=True)
+    assert rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_step_single_rows_by_the_decode_kernel(device, dtype, num_splits):
+    # Decodes first, between and last; a one-token prompt (k = 1); a chunk continuing a cached prefix.
+    lens_q = [1, 7, 1, 1, 20, 1]
+    lens_k = [33, 7, 1, 70, 45, 17]
+    check_mixed_step(lens_q, lens_k, 16, 4, 2, 32, dtype, device, num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_splits", [1, 16])
+def test_mixed_step_gpu_bf16(head_dim, num_splits):
+    # Qwen2.5-0.5B's heads (14 query, 2 KV): 200 decodes of random lengths around three prompt chunks.
+    lens_q = [1] * 90 + [128] + [1] * 60 + [300, 77] + [1] * 50
+    lens_k = [q if q > 1 and i % 2 else q + int(torch.randint(1, 3000, ())) for i, q in enumerate(lens_q)]
+    check_mixed_step(lens_q, lens_k, 16, 14, 2, head_dim, torch.bfloat16, "cuda", num_splits)

@@ -58,31 +58,79 @@ class ModelRunner:
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
-    def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
-                write_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Token ids, positions and attention metadata of a flat batch: sequence b's new tokens are the last
-        seqlens_q[b] of its seqlens_k[b], in the blocks tables[b]. Slots are computed on the device from the
-        block table (no per-token host loop); write_cache=False leaves the cache untouched (slots -1)."""
-        num_tokens, batch = len(input_ids), len(seqlens_q)
+    def _copy_in(self, dst: torch.Tensor, data: np.ndarray) -> None:
+        """dst[...] = data without waiting: from pinned memory, ordered on the stream after the step in flight."""
+        host = torch.from_numpy(data)
+        dst.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+
+    def _pack(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
+              num_tokens: int, num_seqs: int, sources: np.ndarray | None = None, sample_rows: list[int] = (),
+              write_cache: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A prefill or mixed step's inputs as host arrays, padded to num_tokens tokens and num_seqs sequences (a
+        graph's bucket, or the step's own size); sequence b's new tokens are the last seqlens_q[b] of its
+        seqlens_k[b], in the blocks tables[b]. Returns
+        - int64 [5, num_tokens]: token ids; the row of the previous step's sampled tokens to take each id from
+          instead (sources, -1: none); positions; cache slots (-1: padding, or write_cache=False); the rows to
+          sample, first;
+        - int32 [4 * num_seqs + 2]: cu_seqlens_q, cu_seqlens_k, seqlens_k, single_row_seqlens_k (padding
+          sequences are empty), see _metadata;
+        - the block table, int32 [batch, widest table].
+        Vectorized in numpy: no per-token host loop, and one copy to the device per array."""
+        n, batch, block = len(input_ids), len(seqlens_q), self.block_size
+        lens_q, lens_k = np.asarray(seqlens_q, dtype=np.int64), np.asarray(seqlens_k, dtype=np.int64)
         width = max(map(len, tables))
-        block_table = self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
-        lens_q, lens_k = self._tensor(seqlens_q, torch.int32), self._tensor(seqlens_k, torch.int32)
-        cu_q = torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0))
-        seq_of_token = torch.repeat_interleave(torch.arange(batch, device=self.device), lens_q, output_size=num_tokens)
-        positions = (torch.arange(num_tokens, device=self.device) - cu_q[seq_of_token]
-                     + (lens_k - lens_q)[seq_of_token]).long()
+        table = np.asarray([t + [0] * (width - len(t)) if len(t) < width else t for t in tables], dtype=np.int32)
+        flat = np.zeros((5, num_tokens), dtype=np.int64)
+        flat[0, :n] = input_ids
+        flat[1] = -1
+        if sources is not None:
+            flat[1, :n] = sources
+        cu_q = np.zeros(batch + 1, dtype=np.int64)
+        np.cumsum(lens_q, out=cu_q[1:])
+        seq = np.repeat(np.arange(batch), lens_q)
+        positions = np.arange(n) - cu_q[seq] + (lens_k - lens_q)[seq]
+        flat[2, :n] = positions
+        flat[3] = -1
         if write_cache:
-            slots = block_table[seq_of_token, positions // self.block_size].long() * self.block_size \
-                + positions % self.block_size
+            flat[3, :n] = table[seq, positions // block].astype(np.int64) * block + positions % block
+        flat[4, :len(sample_rows)] = sample_rows
+        cu_k, lens = np.zeros(num_seqs + 1, dtype=np.int64), np.zeros((2, num_seqs), dtype=np.int64)
+        np.cumsum(lens_k, out=cu_k[1:batch + 1])
+        cu_k[batch + 1:] = cu_k[batch]
+        lens[0, :batch] = lens_k
+        lens[1, :batch] = np.where(lens_q == 1, lens_k, 0)
+        cu_q = np.concatenate([cu_q, np.full(num_seqs - batch, n)])
+        return flat, np.concatenate([cu_q, cu_k, lens.reshape(-1)]).astype(np.int32), table
+
+    def _metadata(self, slots: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor, num_seqs: int,
+                  batch: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionMetadata:
+        """A prefill or mixed step's metadata for its first `batch` sequences, over `lens`, the device copy of
+        _pack's int32 array for num_seqs sequences. single_row_seqlens_k sends the one-row sequences (decodes)
+        to the decode kernel with as many splits as a decode step of `batch` sequences."""
+        cu_q, cu_k = lens[:batch + 1], lens[num_seqs + 1:num_seqs + batch + 2]
+        seqlens_k = lens[2 * num_seqs + 2:2 * num_seqs + 2 + batch]
+        single = lens[3 * num_seqs + 2:3 * num_seqs + 2 + batch]
+        splits = choose_num_splits(batch, self.cfg.num_key_value_heads, self.device)
+        return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, cu_seqlens_q=cu_q,
+                                 cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                                 num_splits=splits, single_row_seqlens_k=single)
+
+    def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
+                write_cache: bool = True, sources: np.ndarray | None = None, pending: torch.Tensor | None = None,
+                sample_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Token ids (PENDING ones taken from `pending` by `sources`, see _pack), positions, attention metadata and
+        the rows to sample of an eager step; write_cache=False leaves the cache untouched (slots -1)."""
+        n, batch = len(input_ids), len(seqlens_q)
+        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, n, batch, sources, sample_rows,
+                                       write_cache)
+        flat, lens, block_table = (self._tensor(flat, torch.long), self._tensor(lens, torch.int32),
+                                   self._tensor(table, torch.int32))
+        ids, positions, slots = _take_pending(flat[0], flat[1], pending), flat[2], flat[3]
+        if all(q == 1 for q in seqlens_q):
+            meta = self._decode_metadata(slots, block_table, lens[2 * batch + 2:3 * batch + 2])
         else:
-            slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device)
-        if all(n == 1 for n in seqlens_q):
-            meta = self._decode_metadata(slots, block_table, lens_k)
-        else:
-            cu_k = torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
-            meta = AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=lens_k, cu_seqlens_q=cu_q,
-                                     cu_seqlens_k=cu_k, max_seqlen_q=max(seqlens_q), max_seqlen_k=max(seqlens_k))
-        return self._tensor(input_ids, torch.long), positions, meta
+            meta = self._metadata(slots, block_table, lens, batch, batch, max(seqlens_q), max(seqlens_k))
+        return ids, positions, meta, flat[4, :len(sample_rows)]
 
     def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
         # The split count depends on the batch size only, so a graph and an eager step compute the same.
@@ -122,13 +170,17 @@ class ModelRunner:
             # A decode step samples every row. (Indexing with a host list would copy it to the device with a
             # blocking copy, which waits for the step in flight: no overlap.)
             return self._replay(*graph, key, batch, input_ids, pending)[:len(sample_rows)], sample_index
-        if graph is not None:
-            hidden = self._replay_prefill(*graph, key, input_ids, seqlens_q, seqlens_k, batch.block_tables, fill_rows,
-                                          from_rows, pending)
-            return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
-        ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables)
+        sources = None
         if fill_rows:
-            ids[self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
+            sources = np.full(len(input_ids), -1, dtype=np.int64)
+            sources[fill_rows] = from_rows
+        if graph is not None:
+            hidden, rows = self._replay_prefill(*graph, key, input_ids, seqlens_q, seqlens_k, batch.block_tables,
+                                                sources, pending, sample_rows)
+            return self.model.compute_logits(hidden[rows]), sample_index
+        ids, positions, meta, rows = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables,
+                                                  sources=sources, pending=pending if fill_rows else None,
+                                                  sample_rows=sample_rows)
         if adapters:  # LoRA on the rows of the sequences that asked for one, through hooks
             from service.model.lora import serving_adapters
             per_token = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
@@ -136,7 +188,7 @@ class ModelRunner:
                 hidden = self.model(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
-        return self.model.compute_logits(hidden[self._tensor(sample_rows, torch.long)]), sample_index
+        return self.model.compute_logits(hidden[rows]), sample_index
 
     # -- start-up ----------------------------------------------------------------------------------------
     def _cache(self, num_blocks: int) -> KVCache:
@@ -166,7 +218,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        ids, positions, meta = self._inputs([0] * sum(lens), lens, lens, tables)
+        ids, positions, meta, _ = self._inputs([0] * sum(lens), lens, lens, tables)
         hidden = self.model(ids, positions, meta)
         self.model.compute_logits(hidden[:len(lens)]).float().softmax(-1)
         torch.cuda.synchronize(self.device)
@@ -193,7 +245,8 @@ class ModelRunner:
         first request that reaches that length. The cache is never written."""
         lengths = [1 << i for i in range(max_tokens.bit_length()) if 1 << i < max_tokens] + [max_tokens]
         for n in lengths:
-            ids, positions, meta = self._inputs([0] * n, [n], [n], [[0] * -(-n // self.block_size)], write_cache=False)
+            ids, positions, meta, _ = self._inputs([0] * n, [n], [n], [[0] * -(-n // self.block_size)],
+                                                   write_cache=False)
             self.model.compute_logits(self.model(ids, positions, meta)[-1:])
         torch.cuda.synchronize(self.device)
         log.info("warmed up prefill for query lengths %s", lengths)
@@ -244,14 +297,12 @@ class ModelRunner:
         if not keys:
             return
         max_t, max_b, dev = max(t for t, _ in keys), max(b for _, b in keys), self.device
-        # All-empty sequences and unwritten slots: captures run the kernels' launches, not their work.
+        # _pack's arrays at the largest bucket's size, each filled by one copy per step. All-empty sequences and
+        # unwritten slots: captures run the kernels' launches, not their work.
+        tokens = torch.zeros(5, max_t, dtype=torch.long, device=dev)
+        tokens[3] = -1
         self.prefill_static = {
-            "input_ids": torch.zeros(max_t, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_t, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_t,), -1, dtype=torch.int64, device=dev),
-            "cu_seqlens_q": torch.zeros(max_b + 1, dtype=torch.int32, device=dev),
-            "cu_seqlens_k": torch.zeros(max_b + 1, dtype=torch.int32, device=dev),
-            "seqlens_k": torch.zeros(max_b, dtype=torch.int32, device=dev),
+            "tokens": tokens, "lens": torch.zeros(4 * max_b + 2, dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
         for t, b in sorted(keys, reverse=True):
@@ -268,13 +319,11 @@ class ModelRunner:
 
     def _prefill_forward(self, key: tuple[int, int]):
         (t, b), s = key, self.prefill_static
+        tokens, max_b = s["tokens"], s["block_table"].shape[0]
         # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
-        meta = AttentionMetadata(slot_mapping=s["slot_mapping"][:t], block_table=s["block_table"][:b],
-                                 seqlens_k=s["seqlens_k"][:b], cu_seqlens_q=s["cu_seqlens_q"][:b + 1],
-                                 cu_seqlens_k=s["cu_seqlens_k"][:b + 1], max_seqlen_q=min(t, self.max_model_len),
-                                 max_seqlen_k=self.max_model_len)
-        ids, positions = s["input_ids"][:t], s["positions"][:t]
-        return lambda: self.model(ids, positions, meta)
+        meta = self._metadata(tokens[3, :t], s["block_table"][:b], s["lens"], max_b, b, min(t, self.max_model_len),
+                              self.max_model_len)
+        return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
     @torch.inference_mode()
     def _replay(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, bs: int, batch: ScheduledBatch,
@@ -295,10 +344,7 @@ class ModelRunner:
         flat += ([0, -1, 0, -1, 0] + [0] * width) * (bs - len(tables))  # padding rows: no slot, no keys
         dev = self._tensor(flat, torch.int64).view(bs, -1)
         s = self.static
-        ids, source = dev[:, 0], dev[:, 1]
-        if pending is not None:
-            ids = torch.where(source >= 0, pending[source.clamp(min=0, max=len(pending) - 1)], ids)
-        s["input_ids"][:bs] = ids
+        s["input_ids"][:bs] = _take_pending(dev[:, 0], dev[:, 1], pending)
         s["positions"][:bs] = dev[:, 2]
         s["slot_mapping"][:bs] = dev[:, 3]
         s["seqlens_k"][:bs] = dev[:, 4]
@@ -309,23 +355,27 @@ class ModelRunner:
     @torch.inference_mode()
     def _replay_prefill(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, key: tuple[int, int],
                         input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
-                        fill_rows: list[int], from_rows: list[int], pending: torch.Tensor | None) -> torch.Tensor:
-        """Builds a prefill or mixed step's inputs, copies them into the static buffers of `graph`, a prefill
-        graph of (tokens, sequences) `key` (padding: tokens without a slot, sequences without tokens), and
-        replays it. Returns its hidden states of all `key[0]` rows; the step's are the first len(input_ids)."""
-        (t, b), n, batch = key, len(input_ids), len(seqlens_q)
-        ids, positions, meta = self._inputs(input_ids, seqlens_q, seqlens_k, tables)
-        s = self.prefill_static
-        s["input_ids"][:n] = ids
-        if fill_rows:
-            s["input_ids"][self._tensor(fill_rows, torch.long)] = pending[self._tensor(from_rows, torch.long)]
-        s["positions"][:n] = positions
-        s["slot_mapping"][:n] = meta.slot_mapping
-        s["slot_mapping"][n:t] = -1  # a padding token must never write the cache
-        s["cu_seqlens_q"][:batch + 1] = meta.cu_seqlens_q
-        s["cu_seqlens_q"][batch + 1:b + 1] = n
-        s["cu_seqlens_k"][:batch + 1] = meta.cu_seqlens_k
-        s["cu_seqlens_k"][batch + 1:b + 1] = sum(seqlens_k)
-        s["block_table"][:batch, :meta.block_table.shape[1]] = meta.block_table
+                        sources: np.ndarray | None, pending: torch.Tensor | None,
+                        sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies a prefill or mixed step's inputs into the static buffers of `graph`, a prefill graph of (tokens,
+        sequences) `key` (padding: tokens without a slot, sequences without tokens), in three stream-ordered
+        copies, and replays it. Returns its hidden states of all `key[0]` rows (the step's are the first
+        len(input_ids)) and, on the device, the rows to sample."""
+        s, n, batch = self.prefill_static, len(input_ids), len(seqlens_q)
+        tokens, max_b = s["tokens"], s["block_table"].shape[0]
+        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, tokens.shape[1], max_b, sources,
+                                       sample_rows)
+        self._copy_in(tokens, flat)
+        self._copy_in(s["lens"], lens)
+        self._copy_in(s["block_table"][:batch, :table.shape[1]], table)
+        if sources is not None:
+            tokens[0, :n] = _take_pending(tokens[0, :n], tokens[1, :n], pending)
         graph.replay()
-        return hidden
+        return hidden, tokens[4, :len(sample_rows)]
+
+
+def _take_pending(ids: torch.Tensor, sources: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
+    """ids, except where sources >= 0: there the previous step's sampled token of that row (still on the device)."""
+    if pending is None:
+        return ids
+    return torch.where(sources >= 0, pending[sources.clamp(min=0, max=len(pending) - 1)], ids)

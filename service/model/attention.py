@@ -20,6 +20,10 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     decode: bool = False
     num_splits: int = 0  # decode kernel splits; fixed > 0 inside CUDA graphs
+    # Prefill/mixed steps on CUDA: [batch] int32, a one-row sequence's key count (0 for the others). The decode
+    # kernel computes those rows and the prefill kernel the rest: a decode among prompt chunks then costs what
+    # it costs in a decode step, not a BLOCK_M-row tile per query head.
+    single_row_seqlens_k: torch.Tensor | None = None
 
 
 def use_triton(device: torch.device) -> bool:
@@ -40,13 +44,19 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if use_triton(q.device):
         from kernels import flash_attn_forward, flash_attn_with_kvcache
+        from kernels.decode import attend_single_rows
         if meta.decode:
             out = flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, meta.seqlens_k, meta.block_table,
                                           softmax_scale=scale, causal=True, num_splits=meta.num_splits)
             return out.squeeze(1)
-        # The runner built these inputs: the launcher alone, without the public API's checks and autograd.
+        # The runner built these inputs: the launchers alone, without the public API's checks and autograd.
+        out, single = torch.empty_like(q), meta.single_row_seqlens_k
+        if single is not None:
+            attend_single_rows(q, k_cache, v_cache, meta.cu_seqlens_q, single, meta.block_table, out, scale,
+                               meta.num_splits)
         return flash_attn_forward(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                                  meta.max_seqlen_k, scale, True, meta.block_table)[0]
+                                  meta.max_seqlen_k, scale, True, meta.block_table, out=out,
+                                  skip_single_rows=single is not None)[0]
     cu_q = meta.cu_seqlens_q
     if cu_q is None:
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
