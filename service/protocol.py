@@ -52,6 +52,12 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
         return self.temperature < GREEDY_TEMPERATURE
 
     @property
+    def argmax_only(self) -> bool:
+        """Greedy with nothing to adjust, constrain or report: the token is the argmax of the logits as they are."""
+        return (self.greedy and not self.needs_history and not self.logit_bias and not self.min_tokens
+                and not self.logprobs and not self.top_logprobs)
+
+    @property
     def needs_history(self) -> bool:
         """The penalties and grammars read the tokens generated so far: the host must know the last one before
         sampling."""

@@ -255,10 +255,15 @@ class LLMEngine:
                 rows = [seqs.index(parent) for _, parent in batch.forks]
                 logits = torch.cat([logits, logits.index_select(0, on_device(rows, logits.device))])
                 seqs += [child for child, _ in batch.forks]
-            history = any(s.params.needs_history for s in seqs)
-            if history and self._in_flight is not None:
-                outputs += self._complete()
-            sampled = self._sample(logits, seqs, history) if seqs else None
+            if not seqs:
+                sampled = None
+            elif all(s.argmax_only for s in seqs):  # one pass over the batch in the common case
+                sampled = self.sampler.argmax(logits)
+            else:
+                history = any(s.params.needs_history for s in seqs)
+                if history and self._in_flight is not None:
+                    outputs += self._complete()
+                sampled = self._sample(logits, seqs, history)
         except Exception as e:
             outputs += self._fail(batch.seqs + [child for child, _ in batch.forks], e)
             return None

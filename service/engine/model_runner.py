@@ -24,7 +24,9 @@ from service.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192]
+# Steps of 1.5x the powers of two too: a full decode batch plus one prompt (256 + 128 tokens, the common mixed step
+# under steady load) padded to 512 rows would compute a third of its GEMM rows for nothing.
+PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
 DECODE_COLUMNS = 5  # of a decode step's per-sequence row before its block table, see _replay
@@ -106,11 +108,13 @@ class ModelRunner:
                   batch: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionMetadata:
         """A prefill or mixed step's metadata for its first `batch` sequences, over `lens`, the device copy of
         _pack's int32 array for num_seqs sequences. single_row_seqlens_k sends the one-row sequences (decodes)
-        to the decode kernel with as many splits as a decode step of `batch` sequences."""
+        to the decode kernel, split as for the smallest graph bucket that holds `batch` sequences: graph and
+        eager steps share the few kernel variants the graph captures compiled, and no step compiles another."""
         cu_q, cu_k = lens[:batch + 1], lens[num_seqs + 1:num_seqs + batch + 2]
         seqlens_k = lens[2 * num_seqs + 2:2 * num_seqs + 2 + batch]
         single = lens[3 * num_seqs + 2:3 * num_seqs + 2 + batch]
-        splits = choose_num_splits(batch, self.cfg.num_key_value_heads, self.device)
+        bucket = next((b for b in PREFILL_GRAPH_SEQS if b >= batch), batch)
+        splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
         return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, cu_seqlens_q=cu_q,
                                  cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
                                  num_splits=splits, single_row_seqlens_k=single)

@@ -122,6 +122,13 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 
 
 class Sampler:
+    def argmax(self, logits: torch.Tensor) -> Sampled:
+        """Greedy rows with nothing to adjust or report (SamplingParams.argmax_only): the argmax of the logits as
+        they are (bf16 orders tokens as their float32 values do), in one pass over the rows."""
+        tokens = logits.argmax(-1)
+        host, ready = _to_host([tokens])
+        return Sampled(tokens, host, ready, [0] * len(tokens))
+
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                  seen_tokens: list[list[int]] | None = None, prompt_lens: list[int] | None = None,
                  banned: list[list[int]] | None = None, masks: tuple[torch.Tensor, list[int]] | None = None) -> Sampled:
@@ -132,13 +139,8 @@ class Sampler:
 
         In vLLM's order: penalties, logit bias, bans, grammar masks, then temperature, top-k / top-p, min-p, and
         the draw."""
-        if (seen_tokens is None and masks is None and not (banned and any(banned))
-                and all(p.greedy and not (p.logit_bias or p.logprobs or p.top_logprobs) for p in params)):
-            # Greedy with nothing to adjust or report: the argmax of the logits as they are (bf16 orders tokens as
-            # their float32 values do), one pass over the rows.
-            tokens = logits.argmax(-1)
-            host, ready = _to_host([tokens])
-            return Sampled(tokens, host, ready, [0] * len(params))
+        if masks is None and not (banned and any(banned)) and all(p.argmax_only for p in params):
+            return self.argmax(logits)
         logits = logits.float()
         device = logits.device
         if seen_tokens is not None:

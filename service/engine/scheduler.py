@@ -89,7 +89,7 @@ class Scheduler:
 
     def at_limit(self, seq: Sequence) -> bool:
         """Whether the sequence's last token (perhaps still PENDING) is the last it may have."""
-        return seq.num_output_tokens >= seq.params.max_new_tokens or len(seq.token_ids) >= self.max_model_len
+        return len(seq.token_ids) >= min(seq.token_limit, self.max_model_len)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -110,15 +110,15 @@ class Scheduler:
                 return budget - later
             return min(budget, self.max_mixed_tokens - (self.max_num_batched_tokens - budget)) - later
 
-        running = list(self.running)
+        running, sizes, tables = list(self.running), bm.num_tokens, bm.tables
         for i, seq in enumerate(running):
             if budget == 0 or len(batch.seqs) == self.max_num_seqs:
                 break
             # preempted below while making room for an older one, or its token in flight is its last
-            if seq.status != Status.RUNNING or self.at_limit(seq):
+            if seq.status is not Status.RUNNING or self.at_limit(seq):
                 continue
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
-            if len(seq.token_ids) > bm.num_tokens[seq.request_id]:
+            if len(seq.token_ids) > sizes[seq.request_id]:
                 copies = bm.append(seq.request_id, seq.cache_keys)
                 while copies is None:  # out of blocks: preempt the newest sequences, this one last
                     victim = self.running[-1]
@@ -137,7 +137,7 @@ class Scheduler:
                 n = min(n, prompt_room(later=len(running) - i - 1))
                 if n < 1:
                     continue
-            batch.add(seq, n, bm.tables[seq.request_id])
+            batch.add(seq, n, tables[seq.request_id])
             budget -= n
         while (self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and not batch.num_preemptions):

@@ -39,16 +39,16 @@ class Sequence:
     forks: list["Sequence"] = field(default_factory=list)
     fork_of: "Sequence | None" = None  # while waiting in fork_of.forks
 
+    # Plain attributes, not properties: the scheduler reads them for every running sequence in every step.
+    num_prompt_tokens: int = field(init=False)
+    token_limit: int = field(init=False)  # prompt + max_new_tokens: the most tokens it may reach
+    argmax_only: bool = field(init=False)  # params.argmax_only
+
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.token_limit = self.num_prompt_tokens + self.params.max_new_tokens
+        self.argmax_only = self.params.argmax_only
 
     @property
     def cache_keys(self) -> list:
