@@ -74,14 +74,16 @@ class ModelRunner:
         - int64 [5, num_tokens]: token ids; the row of the previous step's sampled tokens to take each id from
           instead (sources, -1: none); positions; cache slots (-1: padding, or write_cache=False); the rows to
           sample, first;
-        - int32 [4 * num_seqs + 2]: cu_seqlens_q, cu_seqlens_k, seqlens_k, single_row_seqlens_k (padding
+        - int32 [4, _section(num_seqs)]: cu_seqlens_q, cu_seqlens_k, seqlens_k, single_row_seqlens_k (padding
           sequences are empty), see _metadata;
-        - the block table, int32 [batch, widest table].
-        Vectorized in numpy: no per-token host loop, and one copy to the device per array."""
+        - the block table, int32 [batch, widest table rounded up to 16 columns].
+        Vectorized in numpy: no per-token host loop, and one copy to the device per array. Every row starts
+        16-byte aligned and the table's row stride is a multiple of 16, as in the graphs' buffers: Triton
+        specializes kernels on both, and an eager step must not compile a variant the graphs did not."""
         n, batch, block = len(input_ids), len(seqlens_q), self.block_size
         lens_q, lens_k = np.asarray(seqlens_q, dtype=np.int64), np.asarray(seqlens_k, dtype=np.int64)
-        width = max(map(len, tables))
-        table = np.asarray([t + [0] * (width - len(t)) if len(t) < width else t for t in tables], dtype=np.int32)
+        width = min(-(-max(map(len, tables)) // 16) * 16, self.max_blocks_per_seq)
+        table = np.asarray([t + [0] * (width - len(t)) for t in tables], dtype=np.int32)
         flat = np.zeros((5, num_tokens), dtype=np.int64)
         flat[0, :n] = input_ids
         flat[1] = -1
@@ -96,28 +98,26 @@ class ModelRunner:
         if write_cache:
             flat[3, :n] = table[seq, positions // block].astype(np.int64) * block + positions % block
         flat[4, :len(sample_rows)] = sample_rows
-        cu_k, lens = np.zeros(num_seqs + 1, dtype=np.int64), np.zeros((2, num_seqs), dtype=np.int64)
-        np.cumsum(lens_k, out=cu_k[1:batch + 1])
-        cu_k[batch + 1:] = cu_k[batch]
-        lens[0, :batch] = lens_k
-        lens[1, :batch] = np.where(lens_q == 1, lens_k, 0)
-        cu_q = np.concatenate([cu_q, np.full(num_seqs - batch, n)])
-        return flat, np.concatenate([cu_q, cu_k, lens.reshape(-1)]).astype(np.int32), table
+        lens = np.zeros((4, _section(num_seqs)), dtype=np.int32)
+        lens[0, :batch + 1], lens[0, batch + 1:] = cu_q, n
+        np.cumsum(lens_k, out=lens[1, 1:batch + 1])
+        lens[1, batch + 1:] = lens[1, batch]
+        lens[2, :batch] = lens_k
+        lens[3, :batch] = np.where(lens_q == 1, lens_k, 0)
+        return flat, lens, table
 
-    def _metadata(self, slots: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor, num_seqs: int,
-                  batch: int, max_seqlen_q: int, max_seqlen_k: int) -> AttentionMetadata:
+    def _metadata(self, slots: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor, batch: int,
+                  max_seqlen_q: int, max_seqlen_k: int) -> AttentionMetadata:
         """A prefill or mixed step's metadata for its first `batch` sequences, over `lens`, the device copy of
-        _pack's int32 array for num_seqs sequences. single_row_seqlens_k sends the one-row sequences (decodes)
-        to the decode kernel, split as for the smallest graph bucket that holds `batch` sequences: graph and
-        eager steps share the few kernel variants the graph captures compiled, and no step compiles another."""
-        cu_q, cu_k = lens[:batch + 1], lens[num_seqs + 1:num_seqs + batch + 2]
-        seqlens_k = lens[2 * num_seqs + 2:2 * num_seqs + 2 + batch]
-        single = lens[3 * num_seqs + 2:3 * num_seqs + 2 + batch]
+        _pack's int32 array. single_row_seqlens_k sends the one-row sequences (decodes) to the decode kernel,
+        split as for the smallest graph bucket that holds `batch` sequences: graph and eager steps share the few
+        kernel variants the graph captures compiled, and no step compiles another."""
         bucket = next((b for b in PREFILL_GRAPH_SEQS if b >= batch), batch)
         splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
-        return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, cu_seqlens_q=cu_q,
-                                 cu_seqlens_k=cu_k, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
-                                 num_splits=splits, single_row_seqlens_k=single)
+        return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=lens[2, :batch],
+                                 cu_seqlens_q=lens[0, :batch + 1], cu_seqlens_k=lens[1, :batch + 1],
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=splits,
+                                 single_row_seqlens_k=lens[3, :batch])
 
     def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
                 write_cache: bool = True, sources: np.ndarray | None = None, pending: torch.Tensor | None = None,
@@ -125,15 +125,15 @@ class ModelRunner:
         """Token ids (PENDING ones taken from `pending` by `sources`, see _pack), positions, attention metadata and
         the rows to sample of an eager step; write_cache=False leaves the cache untouched (slots -1)."""
         n, batch = len(input_ids), len(seqlens_q)
-        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, n, batch, sources, sample_rows,
-                                       write_cache)
+        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, batch, sources,
+                                       sample_rows, write_cache)
         flat, lens, block_table = (self._tensor(flat, torch.long), self._tensor(lens, torch.int32),
                                    self._tensor(table, torch.int32))
-        ids, positions, slots = _take_pending(flat[0], flat[1], pending), flat[2], flat[3]
+        ids, positions, slots = _take_pending(flat[0, :n], flat[1, :n], pending), flat[2, :n], flat[3, :n]
         if all(q == 1 for q in seqlens_q):
-            meta = self._decode_metadata(slots, block_table, lens[2 * batch + 2:3 * batch + 2])
+            meta = self._decode_metadata(slots, block_table, lens[2, :batch])
         else:
-            meta = self._metadata(slots, block_table, lens, batch, batch, max(seqlens_q), max(seqlens_k))
+            meta = self._metadata(slots, block_table, lens, batch, max(seqlens_q), max(seqlens_k))
         return ids, positions, meta, flat[4, :len(sample_rows)]
 
     def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
@@ -306,7 +306,7 @@ class ModelRunner:
         tokens = torch.zeros(5, max_t, dtype=torch.long, device=dev)
         tokens[3] = -1
         self.prefill_static = {
-            "tokens": tokens, "lens": torch.zeros(4 * max_b + 2, dtype=torch.int32, device=dev),
+            "tokens": tokens, "lens": torch.zeros(4, _section(max_b), dtype=torch.int32, device=dev),
             "block_table": torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
         for t, b in sorted(keys, reverse=True):
@@ -323,9 +323,9 @@ class ModelRunner:
 
     def _prefill_forward(self, key: tuple[int, int]):
         (t, b), s = key, self.prefill_static
-        tokens, max_b = s["tokens"], s["block_table"].shape[0]
+        tokens = s["tokens"]
         # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
-        meta = self._metadata(tokens[3, :t], s["block_table"][:b], s["lens"], max_b, b, min(t, self.max_model_len),
+        meta = self._metadata(tokens[3, :t], s["block_table"][:b], s["lens"], b, min(t, self.max_model_len),
                               self.max_model_len)
         return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
@@ -376,6 +376,11 @@ class ModelRunner:
             tokens[0, :n] = _take_pending(tokens[0, :n], tokens[1, :n], pending)
         graph.replay()
         return hidden, tokens[4, :len(sample_rows)]
+
+
+def _section(num_seqs: int) -> int:
+    """Entries per row of _pack's int32 array: num_seqs + 1, rounded up to 16 bytes."""
+    return -(-(num_seqs + 1) // 4) * 4
 
 
 def _take_pending(ids: torch.Tensor, sources: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
