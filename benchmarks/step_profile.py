@@ -53,7 +53,7 @@ def main():
 
     @torch.inference_mode()
     def step():
-        ids, positions, meta = runner._inputs(list(range(3, n + 3)), [n], [n], tables)
+        ids, positions, meta, _ = runner._inputs(list(range(3, n + 3)), [n], [n], tables)
         model.compute_logits(model(ids, positions, meta)[-1:]).argmax(-1).tolist()
 
     step()
@@ -62,7 +62,7 @@ def main():
     from kernels import flash_attn_varlen_func
     attn = model.model.layers[0].self_attn
     with torch.inference_mode():
-        ids, positions, meta = runner._inputs(list(range(3, n + 3)), [n], [n], tables)
+        ids, positions, meta, _ = runner._inputs(list(range(3, n + 3)), [n], [n], tables)
         q = torch.randn(n, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
         call = lambda: flash_attn_varlen_func(q, attn.k_cache, attn.v_cache, meta.cu_seqlens_q,  # noqa: E731
                                               meta.cu_seqlens_k, n, n, softmax_scale=attn.scale, causal=True,
