@@ -90,11 +90,12 @@ class BlockManager:
         table, old, n, bs = self.tables[seq_id], self.num_tokens[seq_id], len(token_ids), self.block_size
         if n < old:
             raise ValueError("a sequence cannot shrink")
-        first, blocks, refs = old // bs, self._num_blocks(n), self.allocator.ref_counts
-        copies = []
-        # A decode's common case stays short: its token lands in the one block it already owns.
-        private = blocks <= len(table) and blocks - first == 1 and refs[table[first]] == 1
+        first, blocks, copies = old // bs, -(-n // bs), []
+        # A decode's common case stays short: its token lands in the one block it already owns. (The scheduler
+        # calls this for every decode in every step.)
+        private = blocks <= len(table) and blocks - first == 1 and self.allocator.ref_counts[table[first]] == 1
         if n > old and not private:
+            refs = self.allocator.ref_counts
             # Copy-on-write: positions from the old length on are about to be written; a block shared with a
             # fork (or cached) must become private first.
             shared = [i for i in range(first, min(len(table), blocks)) if refs[table[i]] > 1]

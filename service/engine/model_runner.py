@@ -161,7 +161,9 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_index.append(i)
-        decode = len(input_ids) == len(batch.seqs)
+        # A decode graph samples every row: a one-token prompt chunk that is not the prompt's last (room for one
+        # more token beside the decodes) makes the step a mixed one.
+        decode = len(input_ids) == len(batch.seqs) == len(sample_rows)
         adapters = any(seq.adapter for seq in batch.seqs)
         if decode:
             key = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)

@@ -87,10 +87,6 @@ class Scheduler:
         seq.forks = []
         seq.status = Status.FINISHED
 
-    def at_limit(self, seq: Sequence) -> bool:
-        """Whether the sequence's last token (perhaps still PENDING) is the last it may have."""
-        return len(seq.token_ids) >= min(seq.token_limit, self.max_model_len)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
@@ -110,15 +106,18 @@ class Scheduler:
                 return budget - later
             return min(budget, self.max_mixed_tokens - (self.max_num_batched_tokens - budget)) - later
 
-        running, sizes, tables = list(self.running), bm.num_tokens, bm.tables
+        # The loop below visits every running sequence in every step: what it reads is bound to locals first.
+        running, sizes, tables, running_status = list(self.running), bm.num_tokens, bm.tables, Status.RUNNING
+        seqs, max_seqs, max_len = batch.seqs, self.max_num_seqs, self.max_model_len
         for i, seq in enumerate(running):
-            if budget == 0 or len(batch.seqs) == self.max_num_seqs:
+            if budget == 0 or len(seqs) == max_seqs:
                 break
-            # preempted below while making room for an older one, or its token in flight is its last
-            if seq.status is not Status.RUNNING or self.at_limit(seq):
+            length = len(seq.token_ids)
+            # Preempted below while making room for an older one, or its token in flight is its last.
+            if seq.status is not running_status or length >= seq.token_limit or length >= max_len:
                 continue
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
-            if len(seq.token_ids) > sizes[seq.request_id]:
+            if length > sizes[seq.request_id]:
                 copies = bm.append(seq.request_id, seq.cache_keys)
                 while copies is None:  # out of blocks: preempt the newest sequences, this one last
                     victim = self.running[-1]
@@ -127,10 +126,11 @@ class Scheduler:
                     if victim is seq:
                         break
                     copies = bm.append(seq.request_id, seq.cache_keys)
-                if seq.status != Status.RUNNING:
+                if seq.status is not running_status:
                     continue
-                batch.copies += copies
-            n = min(seq.num_uncomputed_tokens, budget)
+                if copies:
+                    batch.copies += copies
+            n = min(length - seq.num_computed_tokens, budget)
             if seq.num_computed_tokens >= seq.num_prompt_tokens:
                 decodes += 1
             else:  # a prompt chunk (a long prompt's, or a preempted sequence's)
