@@ -201,6 +201,12 @@ def test_sampler_filters():
     expected = logits.log_softmax(-1)
     assert logprobs == pytest.approx(expected.max(-1).values.tolist(), abs=1e-5)
     assert [t[0][0] for t in tops] == greedy and len(tops[0]) == 3
+    # the sampled token's logprob alone (TGI asks for it with every token), under top-k: floored where masked
+    params = [SamplingParams(temperature=0.0, logprobs=True), SamplingParams(temperature=0.5, top_k=2, logprobs=True)]
+    tokens, logprobs, tops = sampler(logits[:2].clone(), params, [None] * 2).fetch()
+    scaled = (logits[1] / 0.5).masked_fill(logits[1] < logits[1].topk(2).values[-1], float("-inf"))
+    assert tops is None and tokens[0] == greedy[0] and tokens[1] in logits[1].topk(2).indices.tolist()
+    assert logprobs == pytest.approx([expected[0].max().item(), scaled.log_softmax(-1)[tokens[1]].item()], abs=1e-5)
     # a strong repetition penalty moves greedy off a token already seen
     penalized = sampler(logits.clone(), [SamplingParams(temperature=0.0, repetition_penalty=1e6)] * 3,
                         [None] * 3, [[g] for g in greedy]).fetch()[0]

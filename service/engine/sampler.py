@@ -180,11 +180,13 @@ class Sampler:
         copies = [tokens]
         if any(p.logprobs or p.top_logprobs > 0 for p in params):
             # Tokens masked by top-k/top-p have logprob -inf, which JSON cannot carry: floor it.
-            logp = logits.log_softmax(-1).clamp_min(LOGPROB_FLOOR)
-            copies.append(logp.gather(1, tokens[:, None]).squeeze(1))
             k = max(top_counts)
             if k > 0:
+                logp = logits.log_softmax(-1).clamp_min(LOGPROB_FLOOR)
                 top = logp.topk(k, dim=-1)
-                copies += [top.indices, top.values]
+                copies += [logp.gather(1, tokens[:, None]).squeeze(1), top.indices, top.values]
+            else:  # the sampled tokens' alone (every TGI request): no [batch, vocab] log-softmax written
+                chosen = logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+                copies.append(chosen.clamp_min(LOGPROB_FLOOR))
         host, ready = _to_host(copies)
         return Sampled(tokens, host, ready, top_counts)
