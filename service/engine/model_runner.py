@@ -53,8 +53,8 @@ class ModelRunner:
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
-        """A host list (flat or rectangular) on the device, without waiting: through numpy, which converts a list
-        of ints 3x faster than torch.tensor, and pinned memory, which a non-blocking copy needs."""
+        """A host list (flat or rectangular) or array on the device, without waiting: through numpy, which converts a
+        list of ints 3x faster than torch.tensor, and pinned memory, which a non-blocking copy needs."""
         host = torch.from_numpy(np.asarray(data, dtype=NUMPY_DTYPES[dtype]))
         if self.device.type == "cuda":
             host = host.pin_memory()
