@@ -4,6 +4,7 @@ import json
 import re
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from tiny_models import VOCAB, make_tiny_model
@@ -41,6 +42,27 @@ def prompts():
         tail = torch.randint(3, VOCAB, (n,), generator=g).tolist()
         out.append(shared + tail if i % 2 else tail)
     return out
+
+
+def test_runner_packs_a_mixed_step_padded_to_a_graph_bucket(model_dir):
+    """What a prefill graph's buffers receive for a step smaller than its bucket: padding tokens write no slot,
+    padding sequences are empty, and only one-row sequences are handed to the decode kernel."""
+    runner = make_llm(model_dir, num_kv_blocks=64, block_size=16).engine.runner
+    # A 3-token chunk after 15 cached tokens (it crosses into its second block), a decode whose token is still
+    # on the device (row 4 of the previous step's tokens), and a 2-token prompt.
+    ids, lens_q, lens_k, tables = [5, 6, 7, -1, 9, 10], [3, 1, 2], [18, 9, 2], [[3, 4], [7], [1]]
+    sources = np.array([-1, -1, -1, 4, -1, -1])
+    flat, lens, table = runner._pack(ids, lens_q, lens_k, tables, 16, 6, sources, [2, 3, 5])
+    positions = [15, 16, 17, 8, 0, 1]
+    assert flat[0].tolist() == ids + [0] * 10 and flat[1].tolist() == sources.tolist() + [-1] * 10
+    assert flat[2, :6].tolist() == positions
+    assert flat[3].tolist() == [3 * 16 + 15, 4 * 16, 4 * 16 + 1, 7 * 16 + 8, 16, 17] + [-1] * 10
+    assert flat[4, :3].tolist() == [2, 3, 5]
+    assert lens.shape == (4, 8)  # 6 sequences + 1, rounded up to 16 bytes
+    cu_q, cu_k, seqlens_k, single = (row[:7].tolist() for row in lens)
+    assert cu_q == [0, 3, 4, 6, 6, 6, 6] and cu_k == [0, 18, 27, 29, 29, 29, 29]
+    assert seqlens_k[:6] == [18, 9, 2, 0, 0, 0] and single[:6] == [0, 9, 0, 0, 0, 0]
+    assert table.shape == (3, 16) and table[0, :2].tolist() == [3, 4] and not table[:, 2:].any()
 
 
 @pytest.fixture(scope="module")
