@@ -53,9 +53,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     @property
     def argmax_only(self) -> bool:
-        """Greedy with nothing to adjust, constrain or report: the token is the argmax of the logits as they are."""
+        """Greedy with nothing to adjust or constrain: the token is the argmax of the logits as they are (and its
+        logprob, when asked, comes from the same logits). Top logprobs take the general path."""
         return (self.greedy and not self.needs_history and not self.logit_bias and not self.min_tokens
-                and not self.logprobs and not self.top_logprobs)
+                and not self.top_logprobs)
 
     @property
     def needs_history(self) -> bool:

@@ -229,6 +229,13 @@ def test_sampler_filters():
     scaled = (logits[1] / 0.5).masked_fill(logits[1] < logits[1].topk(2).values[-1], float("-inf"))
     assert tops is None and tokens[0] == greedy[0] and tokens[1] in logits[1].topk(2).indices.tolist()
     assert logprobs == pytest.approx([expected[0].max().item(), scaled.log_softmax(-1)[tokens[1]].item()], abs=1e-5)
+    # greedy rows that ask only for the token's logprob (TGI's default) take the one-pass argmax path, in bf16 too
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = logits.to(dtype)
+        tokens, logprobs, tops = sampler(rows.clone(), [SamplingParams(temperature=0.0, logprobs=True)] * 3,
+                                         [None] * 3).fetch()
+        assert tokens == rows.float().argmax(-1).tolist() and tops is None
+        assert logprobs == pytest.approx(rows.double().log_softmax(-1).max(-1).values.tolist(), abs=1e-5)
     # a strong repetition penalty moves greedy off a token already seen
     penalized = sampler(logits.clone(), [SamplingParams(temperature=0.0, repetition_penalty=1e6)] * 3,
                         [None] * 3, [[g] for g in greedy]).fetch()[0]
@@ -442,19 +449,31 @@ def test_default_model_is_trained_and_generates():
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_match_eager(model_dir, prompts):
+@pytest.mark.parametrize("settings", [
+    dict(max_num_seqs=64, max_num_batched_tokens=512),
+    # 4 decodes leave one token to a prompt: a step of one-token rows that does not sample every row
+    dict(max_num_seqs=5, max_num_batched_tokens=64, max_mixed_step_tokens=5),
+], ids=["batched", "one-token-chunks"])
+def test_cuda_graphs_match_eager(model_dir, prompts, settings):
     """Decode graphs, and prefill graphs for prefill and mixed steps (prefix hits, padding tokens and sequences)."""
     params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     outs = {}
     for graphs in (False, True):
-        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
-                  max_num_seqs=64, max_num_batched_tokens=512)
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs, **settings)
         runner = llm.engine.runner
         assert bool(runner.graphs) == bool(runner.prefill_graphs) == graphs
-        replays, replay = [], runner._replay_prefill
+        replays, replay, run, chunks = [], runner._replay_prefill, runner.run, []
         runner._replay_prefill = lambda key, *args: replays.append(key) or replay(key, *args)
+
+        def counting_run(batch, pending):
+            one_token_rows = sum(batch.num_tokens) == len(batch.seqs)
+            chunks.append(one_token_rows and any(s.num_computed_tokens < len(s.token_ids) for s in batch.seqs))
+            return run(batch, pending)
+
+        runner.run = counting_run
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         assert bool(replays) == graphs
+        assert any(chunks) or "max_mixed_step_tokens" not in settings
         assert_no_leaks(llm)
     assert outs[True] == outs[False]
 

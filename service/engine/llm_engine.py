@@ -258,7 +258,7 @@ class LLMEngine:
             if not seqs:
                 sampled = None
             elif all(s.argmax_only for s in seqs):  # one pass over the batch in the common case
-                sampled = self.sampler.argmax(logits)
+                sampled = self.sampler.argmax(logits, any(s.params.logprobs for s in seqs))
             else:
                 history = any(s.params.needs_history for s in seqs)
                 if history and self._in_flight is not None:

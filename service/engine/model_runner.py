@@ -137,8 +137,11 @@ class ModelRunner:
         return ids, positions, meta, flat[4, :len(sample_rows)]
 
     def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
-        # The split count depends on the batch size only, so a graph and an eager step compute the same.
-        splits = choose_num_splits(block_table.shape[0], self.cfg.num_key_value_heads, self.device)
+        # Split as the graph that would hold this batch does: an eager step (LoRA adapters, a batch past the
+        # largest graph) computes what that graph would, and reuses the kernel variants its capture compiled.
+        batch = block_table.shape[0]
+        bucket = next((b for b in GRAPH_BATCH_SIZES if b >= batch), batch)
+        splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
         return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, decode=True,
                                  num_splits=splits)
 

@@ -122,11 +122,16 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 
 
 class Sampler:
-    def argmax(self, logits: torch.Tensor) -> Sampled:
-        """Greedy rows with nothing to adjust or report (SamplingParams.argmax_only): the argmax of the logits as
-        they are (bf16 orders tokens as their float32 values do), in one pass over the rows."""
+    def argmax(self, logits: torch.Tensor, logprobs: bool = False) -> Sampled:
+        """Greedy rows with nothing to adjust (SamplingParams.argmax_only): the argmax of the logits as they are
+        (bf16 orders tokens as their float32 values do), with, if `logprobs`, each token's logprob: the row's
+        maximum minus its logsumexp, the one other pass over the logits."""
         tokens = logits.argmax(-1)
-        host, ready = _to_host([tokens])
+        copies = [tokens]
+        if logprobs:
+            top = logits.gather(1, tokens[:, None]).squeeze(1).float()
+            copies.append(top - logits.float().logsumexp(-1))
+        host, ready = _to_host(copies)
         return Sampled(tokens, host, ready, [0] * len(tokens))
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
@@ -140,7 +145,7 @@ class Sampler:
         In vLLM's order: penalties, logit bias, bans, grammar masks, then temperature, top-k / top-p, min-p, and
         the draw."""
         if masks is None and not (banned and any(banned)) and all(p.argmax_only for p in params):
-            return self.argmax(logits)
+            return self.argmax(logits, any(p.logprobs for p in params))
         logits = logits.float()
         device = logits.device
         if seen_tokens is not None:
