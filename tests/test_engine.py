@@ -12,6 +12,8 @@ from tiny_models import VOCAB, make_tiny_model
 from service.engine.llm import LLM
 from service.engine.llm_engine import EngineStepError, RequestRejected
 from service.engine.sampler import Sampler
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import Sequence
 from service.protocol import Grammar, SamplingParams
 from service.text import TextStream
 
@@ -105,6 +107,34 @@ def test_batch_matches_alone(model_dir, prompts, alone, settings, async_scheduli
     else:
         assert sum(hits) > 0
     assert_no_leaks(llm)
+
+
+def test_new_requests_wait_a_few_steps_for_company_while_others_decode():
+    def step(scheduler):
+        batch = scheduler.schedule()
+        for seq in batch.seqs:  # what a completed step does: each sampled row gains a token
+            if seq.num_computed_tokens == len(seq.token_ids):
+                seq.token_ids.append(7)
+        return [s.request_id for s, prefill in zip(batch.seqs, batch.is_prefill) if prefill]
+
+    def request(rid, tokens=10):
+        return Sequence(rid, list(range(3, 3 + tokens)), SamplingParams(max_new_tokens=100))
+
+    scheduler = Scheduler(64, 16, False, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, hold_steps=3)
+    scheduler.add(request("a"))
+    assert step(scheduler) == ["a"]  # nothing decodes: admitted at once
+    scheduler.add(request("b"))
+    assert [step(scheduler) for _ in range(3)] == [[], [], ["b"]]  # beside a decode: held for 3 steps at most
+    scheduler.add(request("c"))
+    assert step(scheduler) == []
+    scheduler.add(request("d", 60))  # enough prompt tokens to fill the step's room: no reason to wait
+    assert step(scheduler) == ["c", "d"]
+    assert scheduler.running[-1].num_computed_tokens < 60  # d took what the decodes left and goes on
+    scheduler = Scheduler(64, 16, False, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    scheduler.add(request("a"))
+    step(scheduler)
+    scheduler.add(request("b"))
+    assert step(scheduler) == ["b"]  # hold_steps=0: at once
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])

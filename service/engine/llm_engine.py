@@ -113,7 +113,7 @@ class LLMEngine:
         mixed = s.max_mixed_step_tokens or (graph_tokens if graph_tokens >= 2 * s.max_num_seqs
                                             else s.max_num_batched_tokens)
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
-                                   s.max_num_batched_tokens, self.max_model_len, mixed)
+                                   s.max_num_batched_tokens, self.max_model_len, mixed, s.admission_hold_steps)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}

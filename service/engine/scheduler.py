@@ -2,7 +2,10 @@
 one owner of KV-cache bookkeeping (block tables, prefix cache, copy-on-write), through its BlockManager.
 
 Every step spends a token budget: running sequences first (oldest first: one token per decode, the next
-chunk of an unfinished prefill), then waiting sequences are admitted while blocks and budget last. When a
+chunk of an unfinished prefill), then waiting sequences are admitted while blocks and budget last. A step that
+carries prompts beside decodes costs about 1.5x a decode step, whatever the prompts' count: while sequences
+decode, new requests are held back (at most `hold_steps` steps, and not once enough prompt tokens wait to fill
+the step) so that they are admitted together, as TGI does. When a
 running sequence needs a block and none is free, the newest running sequences are preempted: their blocks
 are freed and they go back to the front of the queue, to be recomputed later (prefix caching usually finds
 their blocks again).
@@ -50,13 +53,16 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, max_mixed_tokens: int | None = None):
+                 max_num_batched_tokens: int, max_model_len: int, max_mixed_tokens: int | None = None,
+                 hold_steps: int = 0):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Most tokens of a step that carries decodes (so that it replays a CUDA graph): prompts get what is left.
         self.max_mixed_tokens = min(max_mixed_tokens or max_num_batched_tokens, max_num_batched_tokens)
         self.max_model_len = max_model_len
+        self.hold_steps = hold_steps
+        self.steps = 0  # schedule() calls: the clock of held admissions
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest admission first
 
@@ -69,7 +75,21 @@ class Scheduler:
         return self.block_manager.usage
 
     def add(self, seq: Sequence) -> None:
+        seq.arrival_step = self.steps
         self.waiting.append(seq)
+
+    def _hold(self, room: int) -> bool:
+        """Whether new requests wait for company: the oldest arrived less than hold_steps steps ago, and the
+        prompt tokens waiting do not fill the `room` this step leaves them. Preempted sequences never wait."""
+        head = self.waiting[0]
+        if head.queue_seconds is not None or self.steps - head.arrival_step >= self.hold_steps:
+            return False
+        tokens = 0
+        for seq in self.waiting:
+            tokens += len(seq.token_ids)
+            if tokens >= room:
+                return False
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Drops a sequence wherever it is (finished, aborted or failed) and frees its blocks. Completions still
@@ -99,6 +119,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
         decodes = 0
+        self.steps += 1
 
         def prompt_room(later: int = 0) -> int:
             """Tokens a prompt chunk may take now, leaving one to each of `later` sequences still to schedule."""
@@ -139,7 +160,8 @@ class Scheduler:
                     continue
             batch.add(seq, n, tables[seq.request_id])
             budget -= n
-        while (self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
+        admit = not (decodes and self.waiting and self.hold_steps and self._hold(prompt_room()))
+        while (admit and self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and not batch.num_preemptions):
             seq = self.waiting[0]
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):

@@ -29,6 +29,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prefix-cache hits at first admission
     arrival: float = field(default_factory=time.perf_counter)
     queue_seconds: float | None = None  # arrival until first scheduled; None while never admitted
+    arrival_step: int = 0  # the scheduler's step count when it arrived (admissions wait a few steps for company)
     # With overlapped scheduling the step in flight has sampled this sequence's last token, but its value is still
     # on the GPU: token_ids[-1] is PENDING and pending_row is its row in that step's sampled tokens. The next step
     # reads its input from there on the device; the host learns the value when the step completes.
