@@ -30,6 +30,9 @@ else:
     PREFILL_CONFIGS = _prefill_configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3),
                                         (128, 64, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3)])
 _PREFILL_TMA = {(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)}
+# The rows of a serving step's tiles (kernels/prefill.py q_tiles), built on the host before a config is chosen:
+# the configs of that path have BLOCK_M = PREFILL_TILE_M. Prompt chunks beside decodes are short; 64 suits them.
+PREFILL_TILE_M = PREFILL_CONFIGS[0].kwargs["BLOCK_M"] if INTERPRET else 64
 
 
 def prune_prefill_configs(configs, named_args, **kwargs):
@@ -38,10 +41,14 @@ def prune_prefill_configs(configs, named_args, **kwargs):
     args = {**named_args, **kwargs}  # where Triton puts constexpr kwargs varies by version
     shape = lambda c: (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages)  # noqa: E731
     if args["HEAD_DIM_PADDED"] >= 256:  # shared memory: keep the small-tile, few-stage configs only
-        return [c for c in configs if c.kwargs["BLOCK_N"] == 64 and c.num_stages <= 2]
-    if args["USE_TMA"]:
-        return [c for c in configs if shape(c) in _PREFILL_TMA]
-    return [c for c in configs if c.kwargs["BLOCK_M"] == 128]
+        configs = [c for c in configs if c.kwargs["BLOCK_N"] == 64 and c.num_stages <= 2]
+    elif args["USE_TMA"]:
+        configs = [c for c in configs if shape(c) in _PREFILL_TMA]
+    elif not args["TILED"]:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] == 128]
+    if args["TILED"]:
+        configs = [c for c in configs if c.kwargs["BLOCK_M"] == PREFILL_TILE_M]
+    return configs
 
 # ---------------------------------------------------------------------------------------------------------
 # Where the forward and backward stream K/V (or Q/dO) tiles through TMA (kernels/tma.py). On the H100 it paid for

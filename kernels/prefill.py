@@ -1,15 +1,40 @@
 """Prefill attention forward (FlashAttention-2 style) over packed varlen batches, optionally reading K/V
 from a paged cache. One program computes BLOCK_M query rows of one head of one sequence. With
-skip_single_rows, the one-row sequences (the decodes of a mixed serving step) are left to
-kernels.decode.attend_single_rows, which reads each K/V row once per head group instead of once per head."""
+q_tiles (a serving step's), programs run over a list of (sequence, first row) tiles of PREFILL_TILE_M rows,
+built on the host by `multi_row_tiles`: the one-row sequences (the step's decodes) are left to
+kernels.decode.attend_single_rows, which reads each K/V row once per head group instead of once per head, and
+the grid holds the prompt chunks' tiles only, not a q-block per sequence per the longest chunk (a CUDA graph's
+grid is sized for its largest batch: 256 sequences x 24 q-blocks of programs that return at once cost more
+than a 1536-token step's attention)."""
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import PREFILL_CONFIGS, prune_prefill_configs, tma_pays
+from kernels.configs import PREFILL_CONFIGS, PREFILL_TILE_M, prune_prefill_configs, tma_pays
 from kernels.tma import row_descriptor, tma_ok
+
+
+def multi_row_tiles(seqlens_q, width: int | None = None) -> np.ndarray:
+    """The q_tiles of a packed batch whose sequence i has seqlens_q[i] query rows: int32 [2, width], column j
+    (sequence, first row) of a PREFILL_TILE_M-row tile of a sequence with more than one row, the tiles of the
+    highest rows first (causal masking gives them the most keys); -1 pads to `width` (default: no padding)."""
+    lens = np.asarray(seqlens_q, dtype=np.int64)
+    multi = np.flatnonzero(lens > 1)
+    counts = -(-lens[multi] // PREFILL_TILE_M)
+    seqs = np.repeat(multi, counts)
+    rows = (np.arange(len(seqs)) - np.repeat(np.cumsum(counts) - counts, counts)) * PREFILL_TILE_M
+    order = np.argsort(-rows, kind="stable")
+    tiles = np.full((2, len(seqs) if width is None else width), -1, dtype=np.int32)
+    tiles[0, :len(seqs)], tiles[1, :len(seqs)] = seqs[order], rows[order]
+    return tiles
+
+
+def max_tiles(tokens: int, seqs: int) -> int:
+    """The most tiles a batch of `tokens` query rows over `seqs` sequences can have: a CUDA graph's grid."""
+    return -(-tokens // PREFILL_TILE_M) + min(seqs, tokens // 2)
 
 
 @triton.jit
@@ -86,28 +111,33 @@ def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, tma_row, 
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=PREFILL_CONFIGS, key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "USE_TMA", "seqlen_bucket"],
+@triton.autotune(configs=PREFILL_CONFIGS,
+                 key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "USE_TMA", "TILED", "seqlen_bucket"],
                  prune_configs_by={"early_config_prune": prune_prefill_configs})
 # total_q changes with every batch: specializing on it (== 1, divisible by 16) would compile new variants of a
 # tuned config in the middle of serving, a second or more each.
-@triton.jit(do_not_specialize=["total_q"])
+@triton.jit(do_not_specialize=["total_q", "stride_tiles"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
-                    qk_scale, total_q, seqlen_bucket, group_size,
+                    q_tiles, stride_tiles, qk_scale, total_q, seqlen_bucket, group_size,
                     stride_q_tok, stride_q_h, stride_k_tok, stride_k_h, stride_k_blk,
                     stride_v_tok, stride_v_h, stride_v_blk, stride_o_tok, stride_o_h, stride_bt,
                     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, IS_CAUSAL: tl.constexpr,
                     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, USE_TMA: tl.constexpr,
-                    SKIP_SINGLE_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    TILED: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    # Highest q-blocks first: under causal masking they carry the most work, so they should not straggle.
-    start_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    batch = tl.program_id(2)
-    q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
-    if start_m * BLOCK_M >= seqlen_q:
-        return
-    if SKIP_SINGLE_ROWS:
-        if seqlen_q == 1:
+    if TILED:  # BLOCK_M == PREFILL_TILE_M: the tile is one q-block
+        batch = tl.load(q_tiles + tl.program_id(0))
+        if batch < 0:
+            return
+        start_m = tl.load(q_tiles + stride_tiles + tl.program_id(0)) // BLOCK_M
+        q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
+    else:
+        # Highest q-blocks first: under causal masking they carry the most work, so they should not straggle.
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        batch = tl.program_id(2)
+        q_start, seqlen_q = sequence_span(cu_seqlens_q, batch)
+        if start_m * BLOCK_M >= seqlen_q:
             return
     k_start, seqlen_k = sequence_span(cu_seqlens_k, batch)
     kv_head = head // group_size
@@ -156,11 +186,12 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
 
 
 def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                       block_table=None, out=None, skip_single_rows=False):
+                       block_table=None, out=None, q_tiles=None):
     """Packed varlen forward. q [total_q, H, d]; k/v [total_k, H_k, d], or paged caches
     [num_blocks, block_size, H_k, d] with block_table. Returns (out like q, lse [H, total_q] float32).
-    out: written in place when given. skip_single_rows: the rows (and lse) of one-row sequences are left as
-    they are. Inputs are assumed validated by kernels.interface."""
+    out: written in place when given. q_tiles (multi_row_tiles on the device): only the rows of those tiles
+    are computed; the rows (and lse) of one-row sequences are left as they are. Inputs are assumed validated by
+    kernels.interface."""
     total_q, nheads, head_dim = q.shape
     nheads_k = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
@@ -183,16 +214,21 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     use_tma = not paged and tma_pays(head_dim, max_seqlen_k) and tma_ok(k, v)
     desc_k, desc_v = (row_descriptor(k, 16), row_descriptor(v, 16)) if use_tma else (k, v)
 
+    tiled = q_tiles is not None
+
     def grid(meta):
+        if tiled:
+            return q_tiles.shape[1], nheads, 1
         return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch
 
     _prefill_kernel[grid](
         q, k, v, desc_k, desc_v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
+        q_tiles if tiled else cu_seqlens_q, q_tiles.stride(0) if tiled else 0,
         softmax_scale * math.log2(math.e), total_q, seqlen_bucket, nheads // nheads_k,
         q.stride(0), q.stride(1), stride_k_tok, stride_k_h, stride_k_blk,
         stride_v_tok, stride_v_h, stride_v_blk, out.stride(0), out.stride(1), stride_bt,
         HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), IS_CAUSAL=bool(causal),
-        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, SKIP_SINGLE_ROWS=skip_single_rows,
+        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, TILED=tiled,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out, lse

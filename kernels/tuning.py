@@ -17,7 +17,8 @@ TUNED = {"prefill": _prefill_kernel}
 
 def _file(directory: Path) -> Path:
     # Results hold for one GPU model, one Triton and one list of configs: a change to any starts a new file.
-    ident = [triton.__version__, torch.cuda.get_device_name()] + [list(map(str, k.configs)) for k in TUNED.values()]
+    ident = [triton.__version__, torch.cuda.get_device_name()] + [[list(map(str, k.configs)), k.keys]
+                                                                     for k in TUNED.values()]
     return Path(directory) / f"autotune-{hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]}.json"
 
 

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
+from kernels.configs import PREFILL_TILE_M
 from kernels.decode import attend_single_rows, flash_attn_with_kvcache
-from kernels.prefill import flash_attn_forward
+from kernels.prefill import flash_attn_forward, max_tiles, multi_row_tiles
 from kernels.reference import gather_paged_kv, paged_attention_ref, varlen_attention_ref
 from tests.helpers import cu_seqlens, rel_err
 
@@ -127,16 +128,32 @@ def check_mixed_step(lens_q, lens_k, block_size, nheads, nheads_k, head_dim, dty
     out = torch.full_like(q, float("nan"))
     attend_single_rows(q, k_cache, v_cache, cu_q, single, table, out, scale, num_splits)
     assert out[~one_row].isnan().all() and not out[one_row].isnan().any()
+    # The prefill kernel over the multi-row sequences' tiles, padded as a CUDA graph's grid is.
+    tiles = torch.from_numpy(multi_row_tiles(lens_q, max_tiles(sum(lens_q), batch))).to(device)
     alone = torch.full_like(q, float("nan"))
     flash_attn_forward(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), scale, True, table, out=alone,
-                       skip_single_rows=True)
+                       q_tiles=tiles)
     assert alone[one_row].isnan().all() and not alone[~one_row].isnan().any()
     flash_attn_forward(q, k_cache, v_cache, cu_q, cu_k, max(lens_q), max(lens_k), scale, True, table, out=out,
-                       skip_single_rows=True)
+                       q_tiles=tiles)
     k = torch.cat([gather_paged_kv(k_cache, table[b], n) for b, n in enumerate(lens_k)])
     v = torch.cat([gather_paged_kv(v_cache, table[b], n) for b, n in enumerate(lens_k)])
     ref, _ = varlen_attention_ref(q.double(), k.double(), v.double(), cu_q, cu_k, scale, causal=True)
     assert rel_err(out, ref) < tol
+
+
+def test_multi_row_tiles_cover_the_prompt_chunks_highest_rows_first():
+    m = PREFILL_TILE_M
+    tiles = multi_row_tiles([1, 2 * m + 1, 1, m, 2], width=max_tiles(3 * m + 6, 5))
+    assert tiles.dtype.name == "int32" and tiles.shape == (2, max_tiles(3 * m + 6, 5))
+    assert tiles[0, :5].tolist() == [1, 1, 1, 3, 4] and tiles[1, :5].tolist() == [2 * m, m, 0, 0, 0]
+    assert (tiles[:, 5:] == -1).all()
+    assert multi_row_tiles([1, 1, 1]).shape == (2, 0)
+    # a batch's tiles never outnumber the bound a graph of its (tokens, sequences) sizes its grid by
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lens = torch.randint(1, 3 * m, (int(torch.randint(1, 20, (1,), generator=g)),), generator=g).tolist()
+        assert multi_row_tiles(lens).shape[1] <= max_tiles(sum(lens), len(lens))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])

@@ -54,16 +54,18 @@ def test_runner_packs_a_mixed_step_padded_to_a_graph_bucket(model_dir):
     # on the device (row 4 of the previous step's tokens), and a 2-token prompt.
     ids, lens_q, lens_k, tables = [5, 6, 7, -1, 9, 10], [3, 1, 2], [18, 9, 2], [[3, 4], [7], [1]]
     sources = np.array([-1, -1, -1, 4, -1, -1])
-    flat, lens, table = runner._pack(ids, lens_q, lens_k, tables, 16, 6, sources, [2, 3, 5])
+    flat, lens, table = runner._pack(ids, lens_q, lens_k, tables, 16, 6, sources, [2, 3, 5], num_tiles=9)
     positions = [15, 16, 17, 8, 0, 1]
     assert flat[0].tolist() == ids + [0] * 10 and flat[1].tolist() == sources.tolist() + [-1] * 10
     assert flat[2, :6].tolist() == positions
     assert flat[3].tolist() == [3 * 16 + 15, 4 * 16, 4 * 16 + 1, 7 * 16 + 8, 16, 17] + [-1] * 10
     assert flat[4, :3].tolist() == [2, 3, 5]
-    assert lens.shape == (4, 8)  # 6 sequences + 1, rounded up to 16 bytes
-    cu_q, cu_k, seqlens_k, single = (row[:7].tolist() for row in lens)
-    assert cu_q == [0, 3, 4, 6, 6, 6, 6] and cu_k == [0, 18, 27, 29, 29, 29, 29]
+    assert lens.shape == (6, 12)  # 9 tiles + 1, rounded up to 16 bytes
+    cu_q, cu_k, seqlens_k, single, tile_seqs, tile_rows = (row[:9].tolist() for row in lens)
+    assert cu_q[:7] == [0, 3, 4, 6, 6, 6, 6] and cu_k[:7] == [0, 18, 27, 29, 29, 29, 29]
     assert seqlens_k[:6] == [18, 9, 2, 0, 0, 0] and single[:6] == [0, 9, 0, 0, 0, 0]
+    # the prefill kernel's tiles: one per multi-row sequence, padded to the graph's grid
+    assert tile_seqs == [0, 2] + [-1] * 7 and tile_rows[:2] == [0, 0]
     assert table.shape == (3, 16) and table[0, :2].tolist() == [3, 4] and not table[:, 2:].any()
 
 

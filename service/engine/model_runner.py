@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from kernels.decode import choose_num_splits
+from kernels.prefill import max_tiles, multi_row_tiles
 from kvcache import KVCache
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
@@ -50,6 +51,7 @@ class ModelRunner:
         self.graph_logits: dict[int, torch.Tensor] = {}  # their outputs
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
         self.prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self._num_tiles = 0  # the prefill graphs' q_tiles width (their largest grid)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -67,15 +69,16 @@ class ModelRunner:
 
     def _pack(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
               num_tokens: int, num_seqs: int, sources: np.ndarray | None = None, sample_rows: list[int] = (),
-              write_cache: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              write_cache: bool = True, num_tiles: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A prefill or mixed step's inputs as host arrays, padded to num_tokens tokens and num_seqs sequences (a
         graph's bucket, or the step's own size); sequence b's new tokens are the last seqlens_q[b] of its
         seqlens_k[b], in the blocks tables[b]. Returns
         - int64 [5, num_tokens]: token ids; the row of the previous step's sampled tokens to take each id from
           instead (sources, -1: none); positions; cache slots (-1: padding, or write_cache=False); the rows to
           sample, first;
-        - int32 [4, _section(num_seqs)]: cu_seqlens_q, cu_seqlens_k, seqlens_k, single_row_seqlens_k (padding
-          sequences are empty), see _metadata;
+        - int32 [6, _section(max(num_seqs, num_tiles))]: cu_seqlens_q, cu_seqlens_k, seqlens_k,
+          single_row_seqlens_k (padding sequences are empty), then the prefill kernel's q_tiles (two rows, padded
+          to num_tiles; default: as many as there are), see _metadata;
         - the block table, int32 [batch, widest table rounded up to 16 columns].
         Vectorized in numpy: no per-token host loop, and one copy to the device per array. Every row starts
         16-byte aligned and the table's row stride is a multiple of 16, as in the graphs' buffers: Triton
@@ -98,7 +101,10 @@ class ModelRunner:
         if write_cache:
             flat[3, :n] = table[seq, positions // block].astype(np.int64) * block + positions % block
         flat[4, :len(sample_rows)] = sample_rows
-        lens = np.zeros((4, _section(num_seqs)), dtype=np.int32)
+        tiles = multi_row_tiles(lens_q, num_tiles)
+        lens = np.zeros((6, _section(max(num_seqs, tiles.shape[1]))), dtype=np.int32)
+        lens[4:] = -1
+        lens[4:, :tiles.shape[1]] = tiles
         lens[0, :batch + 1], lens[0, batch + 1:] = cu_q, n
         np.cumsum(lens_k, out=lens[1, 1:batch + 1])
         lens[1, batch + 1:] = lens[1, batch]
@@ -107,17 +113,21 @@ class ModelRunner:
         return flat, lens, table
 
     def _metadata(self, slots: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor, batch: int,
-                  max_seqlen_q: int, max_seqlen_k: int) -> AttentionMetadata:
+                  max_seqlen_q: int, max_seqlen_k: int, num_tiles: int | None) -> AttentionMetadata:
         """A prefill or mixed step's metadata for its first `batch` sequences, over `lens`, the device copy of
-        _pack's int32 array. single_row_seqlens_k sends the one-row sequences (decodes) to the decode kernel,
-        split as for the smallest graph bucket that holds `batch` sequences: graph and eager steps share the few
-        kernel variants the graph captures compiled, and no step compiles another."""
-        bucket = next((b for b in PREFILL_GRAPH_SEQS if b >= batch), batch)
-        splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
-        return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=lens[2, :batch],
+        _pack's int32 array. With num_tiles (a graph's, or a step with one-row sequences), the one-row
+        sequences (decodes) go to the decode kernel, split as for the smallest graph bucket that holds `batch`
+        sequences (graph and eager steps share the few kernel variants the graph captures compiled, and no step
+        compiles another), and the prefill kernel runs over the first num_tiles of q_tiles. Without, the prefill
+        kernel computes every row (an eager prefill: long prompts, the tiles' shorter BLOCK_M would cost)."""
+        meta = AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=lens[2, :batch],
                                  cu_seqlens_q=lens[0, :batch + 1], cu_seqlens_k=lens[1, :batch + 1],
-                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, num_splits=splits,
-                                 single_row_seqlens_k=lens[3, :batch])
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        if num_tiles is not None:
+            bucket = next((b for b in PREFILL_GRAPH_SEQS if b >= batch), batch)
+            meta.num_splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
+            meta.single_row_seqlens_k, meta.q_tiles = lens[3, :batch], lens[4:, :num_tiles]
+        return meta
 
     def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
                 write_cache: bool = True, sources: np.ndarray | None = None, pending: torch.Tensor | None = None,
@@ -125,15 +135,16 @@ class ModelRunner:
         """Token ids (PENDING ones taken from `pending` by `sources`, see _pack), positions, attention metadata and
         the rows to sample of an eager step; write_cache=False leaves the cache untouched (slots -1)."""
         n, batch = len(input_ids), len(seqlens_q)
-        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, batch, sources,
-                                       sample_rows, write_cache)
-        flat, lens, block_table = (self._tensor(flat, torch.long), self._tensor(lens, torch.int32),
+        flat, packed, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, batch, sources,
+                                         sample_rows, write_cache)
+        flat, lens, block_table = (self._tensor(flat, torch.long), self._tensor(packed, torch.int32),
                                    self._tensor(table, torch.int32))
         ids, positions, slots = _take_pending(flat[0, :n], flat[1, :n], pending), flat[2, :n], flat[3, :n]
         if all(q == 1 for q in seqlens_q):
             meta = self._decode_metadata(slots, block_table, lens[2, :batch])
         else:
-            meta = self._metadata(slots, block_table, lens, batch, max(seqlens_q), max(seqlens_k))
+            tiles = int((packed[4] >= 0).sum()) if 1 in seqlens_q else None
+            meta = self._metadata(slots, block_table, lens, batch, max(seqlens_q), max(seqlens_k), tiles)
         return ids, positions, meta, flat[4, :len(sample_rows)]
 
     def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
@@ -306,12 +317,14 @@ class ModelRunner:
         if not keys:
             return
         max_t, max_b, dev = max(t for t, _ in keys), max(b for _, b in keys), self.device
+        self._num_tiles = max(max_tiles(t, b) for t, b in keys)
         # _pack's arrays at the largest bucket's size, each filled by one copy per step. All-empty sequences and
         # unwritten slots: captures run the kernels' launches, not their work.
         tokens = torch.zeros(5, max_t, dtype=torch.long, device=dev)
         tokens[3] = -1
         self.prefill_static = {
-            "tokens": tokens, "lens": torch.zeros(4, _section(max_b), dtype=torch.int32, device=dev),
+            "tokens": tokens, "lens": torch.zeros(6, _section(max(max_b, self._num_tiles)), dtype=torch.int32,
+                                                  device=dev),
             "block_table": torch.zeros(max_b, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
         }
         for t, b in sorted(keys, reverse=True):
@@ -331,7 +344,7 @@ class ModelRunner:
         tokens = s["tokens"]
         # No sequence is longer than the context: the kernel's grid (and its tuned tile) need no more rows.
         meta = self._metadata(tokens[3, :t], s["block_table"][:b], s["lens"], b, min(t, self.max_model_len),
-                              self.max_model_len)
+                              self.max_model_len, max_tiles(t, b))
         return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
     @torch.inference_mode()
@@ -373,7 +386,7 @@ class ModelRunner:
         s, n, batch = self.prefill_static, len(input_ids), len(seqlens_q)
         tokens, max_b = s["tokens"], s["block_table"].shape[0]
         flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, tokens.shape[1], max_b, sources,
-                                       sample_rows)
+                                       sample_rows, num_tiles=self._num_tiles)
         self._copy_in(tokens, flat)
         self._copy_in(s["lens"], lens)
         self._copy_in(s["block_table"][:batch, :table.shape[1]], table)

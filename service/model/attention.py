@@ -21,9 +21,11 @@ class AttentionMetadata:
     decode: bool = False
     num_splits: int = 0  # decode kernel splits; fixed > 0 inside CUDA graphs
     # Prefill/mixed steps on CUDA: [batch] int32, a one-row sequence's key count (0 for the others). The decode
-    # kernel computes those rows and the prefill kernel the rest: a decode among prompt chunks then costs what
-    # it costs in a decode step, not a BLOCK_M-row tile per query head.
+    # kernel computes those rows and the prefill kernel the rest, the tiles of q_tiles (kernels.prefill
+    # multi_row_tiles): a decode among prompt chunks then costs what it costs in a decode step, not a BLOCK_M-row
+    # tile per query head. Both set, or neither.
     single_row_seqlens_k: torch.Tensor | None = None
+    q_tiles: torch.Tensor | None = None  # [2, tiles] int32
 
 
 def use_triton(device: torch.device) -> bool:
@@ -56,7 +58,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
                                meta.num_splits)
         return flash_attn_forward(q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                   meta.max_seqlen_k, scale, True, meta.block_table, out=out,
-                                  skip_single_rows=single is not None)[0]
+                                  q_tiles=meta.q_tiles)[0]
     cu_q = meta.cu_seqlens_q
     if cu_q is None:
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
