@@ -114,8 +114,8 @@ def _attend_kv_range(acc, l_i, m_i, q, k_base, v_base, desc_k, desc_v, tma_row, 
 @triton.autotune(configs=PREFILL_CONFIGS,
                  key=["HEAD_DIM", "IS_CAUSAL", "PAGED", "USE_TMA", "TILED", "seqlen_bucket"],
                  prune_configs_by={"early_config_prune": prune_prefill_configs})
-# total_q changes with every batch: specializing on it (== 1, divisible by 16) would compile new variants of a
-# tuned config in the middle of serving, a second or more each.
+# total_q (and an eager step's q_tiles row stride) change with every batch: specializing on them (== 1, divisible
+# by 16) would compile new variants of a tuned config in the middle of serving, a second or more each.
 @triton.jit(do_not_specialize=["total_q", "stride_tiles"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, block_table,
                     q_tiles, stride_tiles, qk_scale, total_q, seqlen_bucket, group_size,
