@@ -30,7 +30,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
-DECODE_COLUMNS = 5  # of a decode step's per-sequence row before its block table, see _replay
+DECODE_COLUMNS = 16  # of a decode step's per-sequence row before its block table (5 used, 64 bytes), see _replay
 
 
 class ModelRunner:
@@ -295,16 +295,15 @@ class ModelRunner:
     def _capture_decode_graphs(self):
         sizes = sorted({min(bs, self.max_num_seqs) for bs in GRAPH_BATCH_SIZES + [self.max_num_seqs]})
         max_bs, dev = sizes[-1], self.device
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            "seqlens_k": torch.ones(max_bs, dtype=torch.int32, device=dev),
-            "block_table": torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-        }
+        # One int32 row per sequence (see _replay), written by one copy a step; the block table starts 64 bytes in
+        # and the row stride is a multiple of 16 entries, as in eager steps (Triton specializes on both).
+        rows = torch.zeros(max_bs, DECODE_COLUMNS + -(-self.max_blocks_per_seq // 16) * 16, dtype=torch.int32,
+                           device=dev)
+        rows[:, 1], rows[:, 3], rows[:, 4] = -1, -1, 1  # captured with one key each, then emptied
+        self.static = {"rows": rows, "pending": torch.zeros(max_bs, dtype=torch.long, device=dev)}
         for bs in reversed(sizes):
             self.graphs[bs], self.graph_logits[bs] = self._capture(self._decode_forward(bs))
-        self.static["seqlens_k"].zero_()
+        rows[:, 4] = 0
         self.graphs = dict(sorted(self.graphs.items()))
         log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
 
@@ -335,9 +334,15 @@ class ModelRunner:
         log.info("captured prefill CUDA graphs for (tokens, sequences) %s", list(self.prefill_graphs))
 
     def _decode_forward(self, bs: int):
-        s = {k: v[:bs] for k, v in self.static.items()}
-        meta = self._decode_metadata(s["slot_mapping"], s["block_table"], s["seqlens_k"])
-        return lambda: self.model.compute_logits(self.model(s["input_ids"], s["positions"], meta))
+        """The graph reads its inputs from the rows _replay writes, and takes each PENDING token from the previous
+        step's sampled tokens (copied into `pending`) itself: a replay is two copies and the graph."""
+        rows, pending = self.static["rows"][:bs], self.static["pending"]
+
+        def forward():
+            ids = _take_pending(rows[:, 0].long(), rows[:, 1], pending)
+            meta = self._decode_metadata(rows[:, 3].long(), rows[:, DECODE_COLUMNS:], rows[:, 4].contiguous())
+            return self.model.compute_logits(self.model(ids, rows[:, 2].long(), meta))
+        return forward
 
     def _prefill_forward(self, key: tuple[int, int]):
         (t, b), s = key, self.prefill_static
@@ -353,24 +358,25 @@ class ModelRunner:
         """Writes a decode step's inputs into the graphs' static buffers (stream-ordered copies: the step in
         flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its logits.
         The inputs go over in one copy: a row per sequence of its token, the row of the previous step's sampled
-        tokens to take it from instead (-1: none), its position, slot and key count, then its block table."""
-        block_size, tables = self.block_size, batch.block_tables
-        width = max(map(len, tables))
-        flat = []
+        tokens to take it from instead (-1: none), its position, slot and key count, then from column
+        DECODE_COLUMNS its block table (entries past it are stale: never read)."""
+        block_size, tables, n = self.block_size, batch.block_tables, len(batch.seqs)
+        width = -(-max(map(len, tables)) // 16) * 16
+        head, flat = [], []
         for token, table, start, seq in zip(input_ids, tables, batch.starts, batch.seqs):
-            flat += (token, seq.pending_row if token == PENDING else -1, start,
+            head += (token, seq.pending_row if token == PENDING else -1, start,
                      table[start // block_size] * block_size + start % block_size, start + 1)
             flat += table
             if len(table) < width:
                 flat += [0] * (width - len(table))
-        flat += ([0, -1, 0, -1, 0] + [0] * width) * (bs - len(tables))  # padding rows: no slot, no keys
-        dev = self._tensor(flat, torch.int64).view(bs, -1)
+        rows = np.zeros((bs, DECODE_COLUMNS + width), dtype=np.int32)
+        rows[:n, :5] = np.asarray(head, dtype=np.int32).reshape(n, 5)
+        rows[n:, 1] = rows[n:, 3] = -1  # padding rows: no slot, no keys
+        rows[:n, DECODE_COLUMNS:] = np.asarray(flat, dtype=np.int32).reshape(n, width)
         s = self.static
-        s["input_ids"][:bs] = _take_pending(dev[:, 0], dev[:, 1], pending)
-        s["positions"][:bs] = dev[:, 2]
-        s["slot_mapping"][:bs] = dev[:, 3]
-        s["seqlens_k"][:bs] = dev[:, 4]
-        s["block_table"][:bs, :width] = dev[:, DECODE_COLUMNS:]
+        self._copy_in(s["rows"][:bs, :rows.shape[1]], rows)
+        if pending is not None:
+            s["pending"][:len(pending)] = pending
         graph.replay()
         return logits
 

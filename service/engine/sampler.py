@@ -126,11 +126,12 @@ class Sampler:
         """Greedy rows with nothing to adjust (SamplingParams.argmax_only): the argmax of the logits as they are
         (bf16 orders tokens as their float32 values do), with, if `logprobs`, each token's logprob: the row's
         maximum minus its logsumexp, the one other pass over the logits."""
-        tokens = logits.argmax(-1)
-        copies = [tokens]
-        if logprobs:
-            top = logits.gather(1, tokens[:, None]).squeeze(1).float()
-            copies.append(top - logits.float().logsumexp(-1))
+        if not logprobs:
+            tokens = logits.argmax(-1)
+            copies = [tokens]
+        else:
+            top, tokens = logits.max(-1)
+            copies = [tokens, top.float() - logits.float().logsumexp(-1)]
         host, ready = _to_host(copies)
         return Sampled(tokens, host, ready, [0] * len(tokens))
 
