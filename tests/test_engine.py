@@ -268,6 +268,10 @@ def test_sampler_filters():
                                          [None] * 3).fetch()
         assert tokens == rows.float().argmax(-1).tolist() and tops is None
         assert logprobs == pytest.approx(rows.double().log_softmax(-1).max(-1).values.tolist(), abs=1e-5)
+    # as a decode graph hands them over, computed
+    computed = (torch.tensor([4, 5, 6]), torch.tensor([-0.5, -1.5, -2.5]))
+    assert sampler.argmax(logits, True, computed).fetch()[:2] == ([4, 5, 6], [-0.5, -1.5, -2.5])
+    assert sampler.argmax(logits, False, computed).fetch()[:2] == ([4, 5, 6], None)
     # a strong repetition penalty moves greedy off a token already seen
     penalized = sampler(logits.clone(), [SamplingParams(temperature=0.0, repetition_penalty=1e6)] * 3,
                         [None] * 3, [[g] for g in greedy]).fetch()[0]
@@ -487,9 +491,10 @@ def test_default_model_is_trained_and_generates():
     dict(max_num_seqs=5, max_num_batched_tokens=64, max_mixed_step_tokens=5),
 ], ids=["batched", "one-token-chunks"])
 def test_cuda_graphs_match_eager(model_dir, prompts, settings):
-    """Decode graphs, and prefill graphs for prefill and mixed steps (prefix hits, padding tokens and sequences)."""
-    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
-    outs = {}
+    """Decode graphs (which sample greedy rows themselves), and prefill graphs for prefill and mixed steps (prefix
+    hits, padding tokens and sequences): the same tokens and logprobs as eager steps."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, logprobs=True)
+    outs, logprobs = {}, {}
     for graphs in (False, True):
         llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs, **settings)
         runner = llm.engine.runner
@@ -503,11 +508,22 @@ def test_cuda_graphs_match_eager(model_dir, prompts, settings):
             return run(batch, pending)
 
         runner.run = counting_run
+        step, logprobs[graphs] = llm.engine.step, []
+
+        def recording_step():
+            outputs, stats = step()
+            logprobs[graphs] += [(o.request_id, o.logprob) for o in outputs]
+            return outputs, stats
+
+        llm.engine.step = recording_step
         outs[graphs] = [o.token_ids for o in llm.generate(prompts, params)]
         assert bool(replays) == graphs
         assert any(chunks) or "max_mixed_step_tokens" not in settings
         assert_no_leaks(llm)
     assert outs[True] == outs[False]
+    eager, graphed = sorted(logprobs[False]), sorted(logprobs[True])
+    assert [r for r, _ in eager] == [r for r, _ in graphed] and all(lp <= 0 for _, lp in graphed)
+    assert [lp for _, lp in graphed] == pytest.approx([lp for _, lp in eager], abs=1e-3)
 
 
 @pytest.mark.gpu

@@ -249,7 +249,7 @@ class LLMEngine:
         needs its tokens (after launching the forward pass, which does not)."""
         pending = self._in_flight.sampled.token_ids if self._in_flight and self._in_flight.sampled else None
         try:
-            logits, index = self.runner.run(batch, pending)
+            logits, index, greedy = self.runner.run(batch, pending)
             seqs = [batch.seqs[i] for i in index]
             if batch.forks:  # each fork samples from its parent's row: the same prompt, its own draw
                 rows = [seqs.index(parent) for _, parent in batch.forks]
@@ -258,7 +258,8 @@ class LLMEngine:
             if not seqs:
                 sampled = None
             elif all(s.argmax_only for s in seqs):  # one pass over the batch in the common case
-                sampled = self.sampler.argmax(logits, any(s.params.logprobs for s in seqs))
+                sampled = self.sampler.argmax(logits, any(s.params.logprobs for s in seqs),
+                                              None if batch.forks else greedy)
             else:
                 history = any(s.params.needs_history for s in seqs)
                 if history and self._in_flight is not None:

@@ -48,7 +48,8 @@ class ModelRunner:
         self.kv_cache: KVCache | None = None
         self.max_prefill_graph_tokens = min(max_prefill_graph_tokens, max_num_batched_tokens)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode, by batch size
-        self.graph_logits: dict[int, torch.Tensor] = {}  # their outputs
+        # their outputs: logits, and each row's argmax and its logprob (greedy rows need nothing else)
+        self.graph_logits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
         self.prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
         self._num_tiles = 0  # the prefill graphs' q_tiles width (their largest grid)
@@ -158,10 +159,12 @@ class ModelRunner:
 
     # -- steps -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, pending: torch.Tensor | None) -> tuple[torch.Tensor, list[int]]:
+    def run(self, batch: ScheduledBatch, pending: torch.Tensor | None
+            ) -> tuple[torch.Tensor, list[int], tuple[torch.Tensor, torch.Tensor] | None]:
         """Computes batch.num_tokens[i] new tokens of batch.seqs[i] from batch.starts[i] on; pending: the
         previous step's sampled tokens on the device (for PENDING inputs). Returns logits of the sequences whose
-        chunk reaches their last token, and those sequences' indices in the batch."""
+        chunk reaches their last token, those sequences' indices in the batch, and, from a decode graph, each
+        row's argmax and its logprob (else None)."""
         self.kv_cache.copy_blocks(batch.copies)
         input_ids, seqlens_q, seqlens_k, fill_rows, from_rows, sample_rows, sample_index = [], [], [], [], [], [], []
         for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
@@ -189,7 +192,9 @@ class ModelRunner:
         if graph is not None and decode:
             # A decode step samples every row. (Indexing with a host list would copy it to the device with a
             # blocking copy, which waits for the step in flight: no overlap.)
-            return self._replay(*graph, key, batch, input_ids, pending)[:len(sample_rows)], sample_index
+            logits, tokens, logprobs = self._replay(*graph, key, batch, input_ids, pending)
+            n = len(sample_rows)
+            return logits[:n], sample_index, (tokens[:n], logprobs[:n])
         sources = None
         if fill_rows:
             sources = np.full(len(input_ids), -1, dtype=np.int64)
@@ -197,7 +202,7 @@ class ModelRunner:
         if graph is not None:
             hidden, rows = self._replay_prefill(*graph, key, input_ids, seqlens_q, seqlens_k, batch.block_tables,
                                                 sources, pending, sample_rows)
-            return self.model.compute_logits(hidden[rows]), sample_index
+            return self.model.compute_logits(hidden[rows]), sample_index, None
         ids, positions, meta, rows = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables,
                                                   sources=sources, pending=pending if fill_rows else None,
                                                   sample_rows=sample_rows)
@@ -208,7 +213,7 @@ class ModelRunner:
                 hidden = self.model(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
-        return self.model.compute_logits(hidden[rows]), sample_index
+        return self.model.compute_logits(hidden[rows]), sample_index, None
 
     # -- start-up ----------------------------------------------------------------------------------------
     def _cache(self, num_blocks: int) -> KVCache:
@@ -341,7 +346,11 @@ class ModelRunner:
         def forward():
             ids = _take_pending(rows[:, 0].long(), rows[:, 1], pending)
             meta = self._decode_metadata(rows[:, 3].long(), rows[:, DECODE_COLUMNS:], rows[:, 4].contiguous())
-            return self.model.compute_logits(self.model(ids, rows[:, 2].long(), meta))
+            logits = self.model.compute_logits(self.model(ids, rows[:, 2].long(), meta))
+            # Greedy sampling inside the graph costs GPU time only, which a step at a large batch has to spare
+            # and the host has not.
+            top, tokens = logits.max(-1)
+            return logits, tokens, top.float() - logits.float().logsumexp(-1)
         return forward
 
     def _prefill_forward(self, key: tuple[int, int]):
@@ -353,10 +362,10 @@ class ModelRunner:
         return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
     @torch.inference_mode()
-    def _replay(self, graph: torch.cuda.CUDAGraph, logits: torch.Tensor, bs: int, batch: ScheduledBatch,
-                input_ids: list[int], pending: torch.Tensor | None) -> torch.Tensor:
+    def _replay(self, graph: torch.cuda.CUDAGraph, outputs: tuple, bs: int, batch: ScheduledBatch,
+                input_ids: list[int], pending: torch.Tensor | None) -> tuple:
         """Writes a decode step's inputs into the graphs' static buffers (stream-ordered copies: the step in
-        flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its logits.
+        flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its outputs.
         The inputs go over in one copy: a row per sequence of its token, the row of the previous step's sampled
         tokens to take it from instead (-1: none), its position, slot and key count, then from column
         DECODE_COLUMNS its block table (entries past it are stale: never read)."""
@@ -378,7 +387,7 @@ class ModelRunner:
         if pending is not None:
             s["pending"][:len(pending)] = pending
         graph.replay()
-        return logits
+        return outputs
 
     @torch.inference_mode()
     def _replay_prefill(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, key: tuple[int, int],

@@ -122,11 +122,16 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 
 
 class Sampler:
-    def argmax(self, logits: torch.Tensor, logprobs: bool = False) -> Sampled:
+    def argmax(self, logits: torch.Tensor, logprobs: bool = False,
+               computed: tuple[torch.Tensor, torch.Tensor] | None = None) -> Sampled:
         """Greedy rows with nothing to adjust (SamplingParams.argmax_only): the argmax of the logits as they are
         (bf16 orders tokens as their float32 values do), with, if `logprobs`, each token's logprob: the row's
-        maximum minus its logsumexp, the one other pass over the logits."""
-        if not logprobs:
+        maximum minus its logsumexp, the one other pass over the logits. computed: those two already (a decode
+        graph's)."""
+        if computed is not None:
+            tokens = computed[0]
+            copies = [tokens, computed[1]] if logprobs else [tokens]
+        elif not logprobs:
             tokens = logits.argmax(-1)
             copies = [tokens]
         else:
