@@ -69,6 +69,32 @@ def test_runner_packs_a_mixed_step_padded_to_a_graph_bucket(model_dir):
     assert table.shape == (3, 16) and table[0, :2].tolist() == [3, 4] and not table[:, 2:].any()
 
 
+def test_decode_block_tables_stay_on_the_device_and_follow_every_change(model_dir):
+    """What _sync_tables keeps in the decode graphs' block tables: a sequence's whole table when it is new or its
+    table was replaced (preempted), then only new blocks and a copy-on-write replacement of its last block."""
+    runner = make_llm(model_dir, num_kv_blocks=64).engine.runner
+    runner.static = {"tables": torch.full((3, 16), -7, dtype=torch.int32)}
+    runner._table_rows, runner._free_table_rows = {}, [0, 1, 2]
+    a, b, c = (Sequence(rid, [3, 4], GREEDY) for rid in "abc")
+    ta, tb = [5, 6], [9]
+
+    def check(seqs, tables):
+        rows = runner._sync_tables(seqs, tables)
+        assert len(set(rows)) == len(rows)
+        for row, table in zip(rows, tables):
+            assert runner.static["tables"][row, :len(table)].tolist() == table
+        return rows
+
+    first = check([a, b], [ta, tb])
+    ta.append(7)  # a grows a block
+    tb[-1] = 11  # b's last block copied on write
+    assert check([a, b], [ta, tb]) == first
+    ta = [20, 21, 22, 23]  # a preempted and readmitted: a new table
+    check([a, b], [ta, tb])
+    rows = check([b, c], [tb, [30, 31]])  # a leaves and frees its row; c takes one
+    assert rows[0] == first[1] and len(runner._free_table_rows) == 1
+
+
 @pytest.fixture(scope="module")
 def alone(model_dir, prompts):
     llm = make_llm(model_dir, num_kv_blocks=64, enable_prefix_caching=False)

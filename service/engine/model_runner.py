@@ -30,7 +30,7 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
-DECODE_COLUMNS = 16  # of a decode step's per-sequence row before its block table (5 used, 64 bytes), see _replay
+DECODE_COLUMNS = 8  # of a decode step's per-sequence int32 row (6 used, 32 bytes), see _replay
 
 
 class ModelRunner:
@@ -53,6 +53,9 @@ class ModelRunner:
         self.prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (tokens, sequences)
         self.prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
         self._num_tiles = 0  # the prefill graphs' q_tiles width (their largest grid)
+        # Decode graphs' block tables: sequence -> (its table as last written, its row, entries written, last one)
+        self._table_rows: dict = {}
+        self._free_table_rows: list[int] = []
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -300,12 +303,14 @@ class ModelRunner:
     def _capture_decode_graphs(self):
         sizes = sorted({min(bs, self.max_num_seqs) for bs in GRAPH_BATCH_SIZES + [self.max_num_seqs]})
         max_bs, dev = sizes[-1], self.device
-        # One int32 row per sequence (see _replay), written by one copy a step; the block table starts 64 bytes in
-        # and the row stride is a multiple of 16 entries, as in eager steps (Triton specializes on both).
-        rows = torch.zeros(max_bs, DECODE_COLUMNS + -(-self.max_blocks_per_seq // 16) * 16, dtype=torch.int32,
-                           device=dev)
+        # One int32 row per sequence (see _replay), written by one copy a step, and the block tables, kept on the
+        # device across steps (a table's row stride a multiple of 16 entries, as in eager steps: Triton specializes
+        # on it).
+        rows = torch.zeros(max_bs, DECODE_COLUMNS, dtype=torch.int32, device=dev)
         rows[:, 1], rows[:, 3], rows[:, 4] = -1, -1, 1  # captured with one key each, then emptied
-        self.static = {"rows": rows, "pending": torch.zeros(max_bs, dtype=torch.long, device=dev)}
+        tables = torch.zeros(max_bs, -(-self.max_blocks_per_seq // 16) * 16, dtype=torch.int32, device=dev)
+        self.static = {"rows": rows, "pending": torch.zeros(max_bs, dtype=torch.long, device=dev), "tables": tables}
+        self._free_table_rows = list(range(max_bs))
         for bs in reversed(sizes):
             self.graphs[bs], self.graph_logits[bs] = self._capture(self._decode_forward(bs))
         rows[:, 4] = 0
@@ -341,11 +346,12 @@ class ModelRunner:
     def _decode_forward(self, bs: int):
         """The graph reads its inputs from the rows _replay writes, and takes each PENDING token from the previous
         step's sampled tokens (copied into `pending`) itself: a replay is two copies and the graph."""
-        rows, pending = self.static["rows"][:bs], self.static["pending"]
+        rows, pending, tables = self.static["rows"][:bs], self.static["pending"], self.static["tables"]
 
         def forward():
             ids = _take_pending(rows[:, 0].long(), rows[:, 1], pending)
-            meta = self._decode_metadata(rows[:, 3].long(), rows[:, DECODE_COLUMNS:], rows[:, 4].contiguous())
+            block_table = tables.index_select(0, rows[:, 5])
+            meta = self._decode_metadata(rows[:, 3].long(), block_table, rows[:, 4].contiguous())
             logits = self.model.compute_logits(self.model(ids, rows[:, 2].long(), meta))
             # Greedy sampling inside the graph costs GPU time only, which a step at a large batch has to spare
             # and the host has not.
@@ -367,27 +373,52 @@ class ModelRunner:
         """Writes a decode step's inputs into the graphs' static buffers (stream-ordered copies: the step in
         flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its outputs.
         The inputs go over in one copy: a row per sequence of its token, the row of the previous step's sampled
-        tokens to take it from instead (-1: none), its position, slot and key count, then from column
-        DECODE_COLUMNS its block table (entries past it are stale: never read)."""
+        tokens to take it from instead (-1: none), its position, slot and key count, and its row of the block
+        tables on the device; those rows change only where a table grew or was replaced (see _sync_tables)."""
         block_size, tables, n = self.block_size, batch.block_tables, len(batch.seqs)
-        width = -(-max(map(len, tables)) // 16) * 16
-        head, flat = [], []
-        for token, table, start, seq in zip(input_ids, tables, batch.starts, batch.seqs):
+        table_rows = self._sync_tables(batch.seqs, tables)
+        head = []
+        for token, table, start, seq, row in zip(input_ids, tables, batch.starts, batch.seqs, table_rows):
             head += (token, seq.pending_row if token == PENDING else -1, start,
-                     table[start // block_size] * block_size + start % block_size, start + 1)
-            flat += table
-            if len(table) < width:
-                flat += [0] * (width - len(table))
-        rows = np.zeros((bs, DECODE_COLUMNS + width), dtype=np.int32)
-        rows[:n, :5] = np.asarray(head, dtype=np.int32).reshape(n, 5)
+                     table[start // block_size] * block_size + start % block_size, start + 1, row)
+        rows = np.zeros((bs, DECODE_COLUMNS), dtype=np.int32)
+        rows[:n, :6] = np.asarray(head, dtype=np.int32).reshape(n, 6)
         rows[n:, 1] = rows[n:, 3] = -1  # padding rows: no slot, no keys
-        rows[:n, DECODE_COLUMNS:] = np.asarray(flat, dtype=np.int32).reshape(n, width)
         s = self.static
-        self._copy_in(s["rows"][:bs, :rows.shape[1]], rows)
+        self._copy_in(s["rows"][:bs], rows)
         if pending is not None:
             s["pending"][:len(pending)] = pending
         graph.replay()
         return outputs
+
+    def _sync_tables(self, seqs: list, tables: list[list[int]]) -> list[int]:
+        """Each sequence's row in the decode graphs' block tables on the device, after writing there what changed
+        since its last decode step: all of a table the rows do not hold (a sequence new to decode steps, or whose
+        table was replaced: preempted and readmitted), else its new blocks, and its last block again if
+        copy-on-write replaced it. A sequence absent from a decode step gives its row back."""
+        held, present = self._table_rows, set(seqs)
+        for seq in [seq for seq in held if seq not in present]:
+            self._free_table_rows.append(held.pop(seq)[1])
+        updates, rows = [], []
+        for seq, table in zip(seqs, tables):
+            entry = held.get(seq)
+            if entry is None or entry[0] is not table:
+                row = entry[1] if entry is not None else self._free_table_rows.pop()
+                start = 0
+            else:
+                row, synced, last = entry[1], entry[2], entry[3]
+                if synced == len(table) and table[-1] == last:
+                    rows.append(row)
+                    continue
+                start = synced - 1 if table[synced - 1] != last else synced
+            for col in range(start, len(table)):
+                updates += (row, col, table[col])
+            held[seq] = (table, row, len(table), table[-1])
+            rows.append(row)
+        if updates:
+            u = self._tensor(updates, torch.int32).view(-1, 3)
+            self.static["tables"][u[:, 0], u[:, 1]] = u[:, 2]
+        return rows
 
     @torch.inference_mode()
     def _replay_prefill(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, key: tuple[int, int],
