@@ -21,7 +21,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -55,11 +54,6 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     import torch
 
-    if settings.device != "cpu":
-        # The CUDA context takes seconds to create, and the imports below and the tokenizer need none of it: a
-        # thread creates it meanwhile (torch releases the GIL inside the call).
-        threading.Thread(target=_create_cuda_context, args=(torch, settings.device), daemon=True).start()
-
     from service.engine.core import EngineCore
     from service.engine.llm_engine import resolve_device
 
@@ -69,14 +63,6 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
         count = settings.api_server_count or default_api_server_count()
         torch.set_num_threads(max(1, usable_cpus() - count - 1))
     EngineCore(settings, address).run(lifeline)
-
-
-def _create_cuda_context(torch, device: str) -> None:
-    start = time.perf_counter()
-    if device == "auto" and not torch.cuda.is_available():
-        return
-    torch.empty(1, device="cuda" if device == "auto" else device)
-    log.info("CUDA context ready in %.1fs", time.perf_counter() - start)
 
 
 def frontend_main(settings: Settings, address: str, sock: socket.socket, index: int) -> None:
