@@ -47,6 +47,7 @@ def _become(name: str, level: str) -> None:
 
 
 def engine_core_main(settings: Settings, address: str, lifeline) -> None:
+    start = time.perf_counter()
     _become("llm-engine-core", settings.log_level)
     # Compiled kernels persist across restarts; set before torch and triton are imported.
     cache = Path(settings.compile_cache_dir).expanduser()
@@ -62,6 +63,7 @@ def engine_core_main(settings: Settings, address: str, lifeline) -> None:
         # every barrier of every small op (15 ms instead of 0.3 for a decode's attention, measured on 2 cores).
         count = settings.api_server_count or default_api_server_count()
         torch.set_num_threads(max(1, usable_cpus() - count - 1))
+    log.info("engine core imports took %.1fs", time.perf_counter() - start)
     EngineCore(settings, address).run(lifeline)
 
 

@@ -66,6 +66,11 @@ class _InFlight:
     positions: list[int]  # where each one's PENDING token sits in its token_ids
 
 
+def _timed(fn, *args):
+    start = time.perf_counter()
+    return fn(*args), time.perf_counter() - start
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -84,10 +89,14 @@ class LLMEngine:
         local = s.model is None or self.model_dir == Path(s.model)
         self.model_name = s.served_model_name or (self.model_dir.resolve().name if local else s.model)
         log.info("loading %s (%s, %s) on %s", self.model_dir, cfg.architecture, dtype, self.device)
+        start = time.perf_counter()
         with ThreadPoolExecutor(1) as pool:  # the tokenizer's imports (seconds) beside the weights' loading
-            tokenizer = pool.submit(load_tokenizer, self.model_dir)
+            tokenizer = pool.submit(_timed, load_tokenizer, self.model_dir)
             self.model = load_model(self.model_dir, dtype, self.device)
-            self.tokenizer = tokenizer.result()
+            model_seconds = time.perf_counter() - start
+            self.tokenizer, tokenizer_seconds = tokenizer.result()
+        # Start-up time is a target (a warm restart's first token within seconds): say where it goes.
+        log.info("model loaded in %.1fs, tokenizer beside it in %.1fs", model_seconds, tokenizer_seconds)
         self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.runner = ModelRunner(self.model, s.block_size, self.max_model_len, s.max_num_seqs,
