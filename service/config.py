@@ -42,10 +42,12 @@ class Settings(BaseSettings):
                                               "CUDA graph (if it holds 2 * max_num_seqs), so that such steps replay "
                                               "one and decodes never wait on a long eager step; else "
                                               "max_num_batched_tokens")
-    admission_hold_steps: int = Field(8, ge=0, description="while sequences decode, a new request waits up to this "
-                                      "many steps to be admitted with others (unless enough prompt tokens wait to "
-                                      "fill a step): a step carrying prompts costs ~1.5x a decode step however many "
-                                      "it carries. 0: admitted at once")
+    admission_hold_steps: int | None = Field(None, ge=0, description="while sequences decode, a new request waits "
+                                             "up to this many steps to be admitted with others (unless enough "
+                                             "prompt tokens wait to fill a step): on CUDA a step carrying prompts "
+                                             "costs ~1.5x a decode step however many it carries. 0: admitted at "
+                                             "once. Default: 8 on CUDA, 0 on the CPU (whose steps cost what "
+                                             "their tokens do)")
     async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
                                           "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "

@@ -121,8 +121,11 @@ class LLMEngine:
         graph_tokens = max((t for t, _ in self.runner.prefill_graphs), default=0)
         mixed = s.max_mixed_step_tokens or (graph_tokens if graph_tokens >= 2 * s.max_num_seqs
                                             else s.max_num_batched_tokens)
+        hold = s.admission_hold_steps
+        if hold is None:
+            hold = 8 if self.device.type == "cuda" else 0
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
-                                   s.max_num_batched_tokens, self.max_model_len, mixed, s.admission_hold_steps)
+                                   s.max_num_batched_tokens, self.max_model_len, mixed, hold)
         self.sampler = Sampler()
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
