@@ -5,6 +5,7 @@ official openai client and huggingface_hub."""
 import json
 import re
 import threading
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -13,6 +14,10 @@ import pytest
 from huggingface_hub import InferenceClient
 from server import serve
 from tiny_models import make_tiny_model
+
+from service.api.engine_client import RequestStream
+from service.protocol import RequestOutput
+from service.text import TextStream, load_tokenizer
 
 SCHEMAS = {
     "nested": {"type": "object", "required": ["name", "address"], "properties": {
@@ -204,6 +209,17 @@ def test_n_completions_and_batched_prompts(client):
                                      temperature=1.0, seed=1, logprobs=1)
     totals = [sum(c.logprobs.token_logprobs) for c in best.choices]
     assert len(best.choices) == 2 and totals[0] >= totals[1]
+
+
+def test_tokens_that_arrive_before_their_completion_is_numbered_take_its_number():
+    """A request of several prompts is taken over only once all are admitted: the first prompt's first tokens may
+    arrive before its streams learn their choice (seen under load: a fork's first token went to choice 0)."""
+    tokenizer = load_tokenizer(Path(__file__).parents[1] / "service" / "default_model")
+    stream = RequestStream("r#1", TextStream(tokenizer, [5, 6], [], False), set())
+    stream.push(RequestOutput("r#1", 201))
+    stream.choice = 3
+    stream.push(RequestOutput("r#1", 319))
+    assert [(out.choice, out.index) for out in stream.take()] == [(3, 0), (3, 1)]
 
 
 def test_huggingface_hub_grammar_tools_and_best_of(base_url):

@@ -110,7 +110,7 @@ class RequestStream:
         if reason is not None and not hit_stop:
             piece += self.text.flush()
         self.waiting.append(TokenOutput(out.token_id, piece, out.logprob, out.token_id in self.special_ids,
-                                        self.count, self.choice, reason is not None, reason, out.prompt_tokens,
+                                        self.count, 0, reason is not None, reason, out.prompt_tokens,
                                         out.cached_prompt_tokens, out.top_logprobs))
         self.count += 1
         self.finished = reason is not None
@@ -122,7 +122,12 @@ class RequestStream:
         self.ready.set()
 
     def take(self) -> list[TokenOutput]:
+        """The tokens not taken yet, marked as completion `choice`: the consumer sets it when it takes the stream
+        over, which may be after the first tokens arrived (a request of several prompts waits for all of them to
+        be admitted)."""
         batch, self.waiting = self.waiting, []
+        for out in batch:
+            out.choice = self.choice
         return batch
 
 

@@ -2,6 +2,7 @@
 timing its tokens, and aborting it the moment its client goes away."""
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import anyio
@@ -105,10 +106,14 @@ class Generation:
         request.state.counted = True  # from here on the outcome is recorded by _finish(), not the error handler
         self.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens)
         self.ready = asyncio.Event()
+        early = 0
         for choice, stream in enumerate(streams):
             stream.choice, stream.timer, stream.ready = choice, self.timer, self.ready
             if stream.waiting or stream.finished:  # it woke its own event before this one took over
                 self.ready.set()
+                early += len(stream.waiting)
+        if early:  # tokens that arrived before the timer was attached: counted now
+            self.timer.on_tokens(time.perf_counter(), early, [])
         self.outcome = "aborted"  # until the engine says it finished
         self.done = False
 
