@@ -19,6 +19,7 @@ import torch
 from kernels.decode import choose_num_splits
 from kernels.prefill import max_tiles, multi_row_tiles
 from kvcache import KVCache
+from service.engine.sampler import greedy
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
 from service.model.attention import AttentionMetadata
@@ -355,8 +356,7 @@ class ModelRunner:
             logits = self.model.compute_logits(self.model(ids, rows[:, 2].long(), meta))
             # Greedy sampling inside the graph costs GPU time only, which a step at a large batch has to spare
             # and the host has not.
-            top, tokens = logits.max(-1)
-            return logits, tokens, top.float() - logits.float().logsumexp(-1)
+            return logits, *greedy(logits)
         return forward
 
     def _prefill_forward(self, key: tuple[int, int]):

@@ -121,22 +121,27 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
     return host, ready
 
 
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (bf16 orders tokens as their float32 values do) and its logprob: the row's maximum minus
+    its logsumexp, in float32. The decode graphs compute it too (model_runner)."""
+    top, tokens = logits.max(-1)
+    return tokens, top.float() - logits.float().logsumexp(-1)
+
+
 class Sampler:
     def argmax(self, logits: torch.Tensor, logprobs: bool = False,
                computed: tuple[torch.Tensor, torch.Tensor] | None = None) -> Sampled:
-        """Greedy rows with nothing to adjust (SamplingParams.argmax_only): the argmax of the logits as they are
-        (bf16 orders tokens as their float32 values do), with, if `logprobs`, each token's logprob: the row's
-        maximum minus its logsumexp, the one other pass over the logits. computed: those two already (a decode
+        """Greedy rows with nothing to adjust (SamplingParams.argmax_only): the argmax of the logits as they are,
+        with, if `logprobs`, each token's logprob (see `greedy`). computed: `greedy(logits)` already (a decode
         graph's)."""
+        if computed is None and logprobs:
+            computed = greedy(logits)
         if computed is not None:
             tokens = computed[0]
             copies = [tokens, computed[1]] if logprobs else [tokens]
-        elif not logprobs:
+        else:
             tokens = logits.argmax(-1)
             copies = [tokens]
-        else:
-            top, tokens = logits.max(-1)
-            copies = [tokens, top.float() - logits.float().logsumexp(-1)]
         host, ready = _to_host(copies)
         return Sampled(tokens, host, ready, [0] * len(tokens))
 
