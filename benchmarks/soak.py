@@ -173,13 +173,13 @@ def _worker(spec, seed: int, clients: int, adapter, t0: float, stop: float, resu
 # -- what the parent watches -----------------------------------------------------------------------------------
 
 def scrape(base_url: str) -> dict[str, float]:
-    """Unlabelled series of /metrics (sums over label sets are not needed here)."""
+    """Series of /metrics that are unlabelled or labelled by engine core only, summed over the cores."""
     text = urllib.request.urlopen(f"{base_url}/metrics", timeout=10).read().decode()
     values = {}
     for line in text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][\w:]*)(?:\{\})? ([-+\deE.naNinf]+)$", line)
+        m = re.match(r'^([a-zA-Z_:][\w:]*)(?:\{(?:engine="\d+")?\})? ([-+\deE.naNinf]+)$', line)
         if m:
-            values[m.group(1)] = float(m.group(2))
+            values[m.group(1)] = values.get(m.group(1), 0.0) + float(m.group(2))
     return values
 
 

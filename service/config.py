@@ -26,6 +26,14 @@ class Settings(BaseSettings):
     device: str = Field("auto", description="auto | cuda | cpu")
     max_model_len: int | None = Field(None, description="context length (default: the model's)")
 
+    # scale-out
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs (CPU processes) one model is sharded over: the "
+                                      "engine core drives one worker process per further rank (NCCL on CUDA, gloo "
+                                      "on the CPU)")
+    data_parallel_size: int = Field(1, ge=1, description="engine cores behind the front-ends, each with its own "
+                                    "GPU(s) and KV cache; a request goes to the least-loaded core, or to the one "
+                                    "that holds its prompt's prefix")
+
     # KV cache and scheduling
     block_size: int = Field(16, description="tokens per KV block: a power of two, 16..256 (the kernels' range)")
     num_kv_blocks: int | None = Field(None, description="explicit KV block count (default: sized from memory)")

@@ -1,10 +1,12 @@
 """The Prometheus series of the service (the Grafana dashboards in docker/grafana query these names).
 
-Each process writes the series it knows: the HTTP front-ends time requests (FrontendMetrics), the engine core
-reports steps, queues, the KV cache, GPU memory and fine-tuning (EngineMetrics). The launcher sets
-PROMETHEUS_MULTIPROC_DIR, so prometheus_client keeps every process's values in files there and any front-end's
-/metrics adds them up (counters and histograms summed; the core's gauges taken from the live core). Without it
-(one process: tests, notebooks) the series live in the registry passed in.
+Each process writes the series it knows: the HTTP front-ends time requests (FrontendMetrics), each engine core
+reports steps, queues, the KV cache, GPU memory and fine-tuning (EngineMetrics), every series labelled with the
+core's index (`engine="0"`, `"1"`, ... with data parallelism; "0" alone without): dashboards sum or max over it.
+The launcher sets PROMETHEUS_MULTIPROC_DIR, so prometheus_client keeps every process's values in files there and
+any front-end's /metrics adds them up (counters and histograms summed; a core's gauges taken from that live core,
+kept apart from the other cores' by their label). Without it (one process: tests, notebooks) the series live in
+the registry passed in.
 """
 import os
 import time
@@ -19,7 +21,7 @@ TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(16))  # 1 .. 32768
 ENDPOINTS = ("generate", "generate_stream", "completions", "chat_completions")
 OUTCOMES = ("success", "validation_error", "aborted", "overloaded", "internal_error")
 FINETUNE_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-CORE_GAUGE_MODE = "livemostrecent"  # one writer (the engine core); dropped when it dies
+CORE_GAUGE_MODE = "livemostrecent"  # one writer per `engine` label (that core); dropped when it dies
 
 
 def multiprocess() -> bool:
@@ -78,21 +80,25 @@ class FrontendMetrics:
 
 
 class EngineMetrics:
-    """Step, queue, KV-cache, memory and fine-tuning series, written by the engine core."""
+    """Step, queue, KV-cache, memory and fine-tuning series, written by engine core `engine_index`."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, engine_index: int = 0):
         r = registry
-        self.step_time = Histogram("llm_engine_step_seconds", "Duration of one engine step",
-                                   buckets=LATENCY_BUCKETS, registry=r)
-        self.preemptions = Counter("llm_preemptions", "Sequences preempted by the scheduler", registry=r)
-        self.prefix_queried = Counter("llm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache",
-                                      registry=r)
-        self.prefix_hits = Counter("llm_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache",
-                                   registry=r)
+        self.engine = str(engine_index)
 
-        def gauge(name, doc, labels=()):
-            return Gauge(name, doc, labels, registry=r, multiprocess_mode=CORE_GAUGE_MODE)
+        def histogram(name, doc):
+            return Histogram(name, doc, ["engine"], buckets=LATENCY_BUCKETS, registry=r).labels(self.engine)
 
+        def counter(name, doc):
+            return Counter(name, doc, ["engine"], registry=r).labels(self.engine)
+
+        def gauge(name, doc):
+            return Gauge(name, doc, ["engine"], registry=r, multiprocess_mode=CORE_GAUGE_MODE).labels(self.engine)
+
+        self.step_time = histogram("llm_engine_step_seconds", "Duration of one engine step")
+        self.preemptions = counter("llm_preemptions", "Sequences preempted by the scheduler")
+        self.prefix_queried = counter("llm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("llm_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
         self.running = gauge("llm_requests_running", "Sequences being generated")
         self.waiting = gauge("llm_requests_waiting", "Requests waiting for admission")
         self.kv_usage = gauge("llm_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
@@ -100,7 +106,8 @@ class EngineMetrics:
         self.gpu_allocated = gauge("llm_gpu_memory_allocated_bytes", "torch.cuda.memory_allocated")
         self.gpu_reserved = gauge("llm_gpu_memory_reserved_bytes", "torch.cuda.memory_reserved")
         self.gpu_total = gauge("llm_gpu_memory_total_bytes", "Total memory of the GPU")
-        self.finetune_jobs = gauge("llm_finetune_jobs", "Fine-tuning jobs by state", ["state"])
+        self.finetune_jobs = Gauge("llm_finetune_jobs", "Fine-tuning jobs by state", ["engine", "state"], registry=r,
+                                   multiprocess_mode=CORE_GAUGE_MODE)
         self.set_finetune_jobs({})
         self.finetune_tokens_per_second = gauge("llm_finetune_tokens_per_second", "Training throughput of the "
                                                 "running job")
@@ -136,7 +143,7 @@ class EngineMetrics:
         if unknown:
             raise ValueError(f"unknown fine-tuning states {sorted(unknown)}; known: {FINETUNE_STATES}")
         for state in FINETUNE_STATES:
-            self.finetune_jobs.labels(state).set(counts.get(state, 0))
+            self.finetune_jobs.labels(self.engine, state).set(counts.get(state, 0))
 
     def set_finetune_progress(self, tokens_per_second: float, loss: float | None = None) -> None:
         self.finetune_tokens_per_second.set(tokens_per_second)

@@ -1,5 +1,6 @@
 """Text: loading a model's tokenizer, and incremental detokenization with stop strings. Runs where text is made:
 in the HTTP front-ends and the offline LLM (the engine core only loads the tokenizer for its EOS ids)."""
+import json
 import re
 from pathlib import Path
 
@@ -16,6 +17,24 @@ def load_tokenizer(model_dir):
         return PreTrainedTokenizerFast.from_pretrained(str(model_dir))
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def eos_token_id(model_dir) -> int | None:
+    """The tokenizer's EOS token id, from its files alone (the engine core's start should not wait seconds for
+    transformers' imports): tokenizer_config.json names the token, tokenizer.json numbers it. Loads the tokenizer
+    where the files do not say."""
+    model_dir = Path(model_dir)
+    try:
+        eos = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if eos is None:
+            return None
+        spec = json.loads((model_dir / "tokenizer.json").read_text())
+        added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+        return added[eos] if eos in added else spec["model"]["vocab"][eos]
+    except (OSError, ValueError, KeyError, TypeError):
+        return load_tokenizer(model_dir).eos_token_id
 
 
 class ChatTemplateError(ValueError):

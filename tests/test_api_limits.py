@@ -21,6 +21,9 @@ COUNTERS = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_preem
 GAUGES = ["llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio", "llm_batch_size",
           "llm_gpu_memory_allocated_bytes", "llm_gpu_memory_reserved_bytes", "llm_gpu_memory_total_bytes",
           "llm_finetune_tokens_per_second", "llm_finetune_loss"]
+ENGINE_SERIES = {"llm_engine_step_seconds", "llm_preemptions_total", "llm_prefix_cache_queried_tokens_total",
+                 "llm_prefix_cache_hit_tokens_total", *GAUGES}  # labelled with the engine core's index
+CORE = (("engine", "0"),)
 
 
 # The default model's greedy continuation of this prompt runs to the 2000-token limit without EOS (a fortune
@@ -41,7 +44,8 @@ def wait_idle(base_url: str, timeout: float = 10) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         m = scrape(base_url)
-        idle = (m[("llm_requests_running", ())], m[("llm_requests_waiting", ())], m[("llm_kv_cache_usage_ratio", ())])
+        idle = (m[("llm_requests_running", CORE)], m[("llm_requests_waiting", CORE)],
+                m[("llm_kv_cache_usage_ratio", CORE)])
         if idle == (0, 0, 0) or time.monotonic() > deadline:
             assert idle == (0, 0, 0), f"(running, waiting, kv usage) = {idle}"
             return m
@@ -57,15 +61,16 @@ def base_url():
 def test_all_series_exported_from_start(base_url):
     m = scrape(base_url)  # the first test of the module: no request served yet
     for name in METRIC_NAMES:
-        assert (f"{name}_count", ()) in m and (f"{name}_bucket", (("le", "+Inf"),)) in m, name
+        labels = CORE if name in ENGINE_SERIES else ()
+        assert (f"{name}_count", labels) in m and (f"{name}_bucket", (*labels, ("le", "+Inf"))) in m, name
     for name in COUNTERS + GAUGES:
-        assert (name, ()) in m, name
+        assert (name, CORE if name in ENGINE_SERIES else ()) in m, name
     for endpoint in ENDPOINTS:
         for outcome in OUTCOMES:
             assert requests_total(m, endpoint, outcome) == 0
     for state in FINETUNE_STATES:
-        assert m[("llm_finetune_jobs", (("state", state),))] == 0
-    assert m[("llm_gpu_memory_total_bytes", ())] == 0  # CPU
+        assert m[("llm_finetune_jobs", (*CORE, ("state", state)))] == 0
+    assert m[("llm_gpu_memory_total_bytes", CORE)] == 0  # CPU
 
 
 def test_metrics_move_with_a_request(base_url):
@@ -83,7 +88,8 @@ def test_metrics_move_with_a_request(base_url):
                         ("llm_e2e_request_latency_seconds", 1), ("llm_queue_time_seconds", 1),
                         ("llm_request_generation_tokens", 1)]:
         assert delta(f"{name}_count") == count, name
-    assert delta("llm_engine_step_seconds_count") >= 5 and delta("llm_prefix_cache_queried_tokens_total") > 0
+    assert delta("llm_engine_step_seconds_count", CORE) >= 5
+    assert delta("llm_prefix_cache_queried_tokens_total", CORE) > 0
 
 
 def test_health_and_info(base_url):
@@ -134,7 +140,7 @@ def test_disconnect_mid_stream_frees_the_cache(base_url):
     with httpx.stream("POST", f"{base_url}/generate_stream", json=body) as r:
         events = sse_events(r)
         next(events), next(events)
-        assert scrape(base_url)[("llm_kv_cache_usage_ratio", ())] > 0
+        assert scrape(base_url)[("llm_kv_cache_usage_ratio", CORE)] > 0
     # Closing the response closed the connection: the engine must drop the request at once, long before
     # its 2000 tokens could have been generated.
     after = wait_idle(base_url, timeout=3)
@@ -279,4 +285,4 @@ def test_a_failing_engine_step_is_a_500_and_the_service_keeps_serving():
         m = scrape(url)
         assert requests_total(m, "generate", "internal_error") == 1
         assert requests_total(m, "generate_stream", "internal_error") == 1
-        assert m[("llm_kv_cache_usage_ratio", ())] == 0
+        assert m[("llm_kv_cache_usage_ratio", CORE)] == 0

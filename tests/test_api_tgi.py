@@ -140,7 +140,7 @@ def test_validation_errors(base_url, route):
     key = ("llm_requests_total", (("endpoint", endpoint), ("outcome", "validation_error")))
     assert after[key] - before[key] == len(BAD_REQUESTS) + len(raw)
     # Nothing reached the engine, which still serves.
-    assert after[("llm_requests_running", ())] == 0
+    assert after[("llm_requests_running", (("engine", "0"),))] == 0
     assert httpx.post(base_url + route, json={"inputs": "a", "parameters": {"max_new_tokens": 2}}).status_code == 200
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from tiny_models import VOCAB, make_tiny_model
 
+from service.config import DEFAULT_MODEL_DIR
 from service.engine.llm import LLM
 from service.engine.llm_engine import EngineStepError, RequestRejected
 from service.engine.sampler import Sampler
@@ -79,7 +80,8 @@ def test_decode_block_tables_stay_on_the_device_and_follow_every_change(model_di
     ta, tb = [5, 6], [9]
 
     def check(seqs, tables):
-        rows = runner._sync_tables(seqs, tables)
+        rows, updates = runner._sync_tables(seqs, tables)
+        runner._update_tables(updates)
         assert len(set(rows)) == len(rows)
         for row, table in zip(rows, tables):
             assert runner.static["tables"][row, :len(table)].tolist() == table
@@ -496,7 +498,7 @@ def test_default_model_is_trained_and_generates():
     assert engine.model_dir.name == "default_model"
     cfg = engine.model.config
     assert (cfg.vocab_size, cfg.num_hidden_layers, cfg.hidden_size) == (4096, 6, 320)
-    assert len(engine.tokenizer) == cfg.vocab_size == VOCAB
+    assert len(llm.tokenizer) == cfg.vocab_size == VOCAB
     params = SamplingParams(max_new_tokens=40, temperature=0.0)
     first, again = (llm.generate(["Never trust a"], params)[0] for _ in range(2))
     assert first.token_ids == again.token_ids and first.text == again.text
@@ -504,7 +506,7 @@ def test_default_model_is_trained_and_generates():
     assert first.text.strip() and first.text.isascii()
     # train_default.py holds out the corpus's first 2%: its loss there was ~4.3 nats/token; chance is ln 4096 = 8.3
     texts = gzip.decompress((engine.model_dir / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
-    examples = [tokenize({"text": t}, engine.tokenizer) for t in texts[:16]]
+    examples = [tokenize({"text": t}, llm.tokenizer) for t in texts[:16]]
     with torch.no_grad():
         loss, n = loss_sum(engine.model, examples, "cpu")
     assert loss.item() / n < 5.0 < math.log(cfg.vocab_size)
@@ -584,3 +586,12 @@ def test_sampler_grammar_masks_forbid_every_other_token_and_the_ids_past_the_tok
     tokens = Sampler()(logits, [free, SamplingParams(temperature=1.0, seed=0), free], [None] * 3,
                        masks=(masks, [0, 1])).fetch()[0]
     assert tokens[0] in (3, 5) and tokens[1] == 7 and tokens[2] == 60
+
+
+def test_the_tokenizers_eos_id_is_read_from_its_files(model_dir):
+    """The engine core takes the tokenizer's EOS id from tokenizer_config.json and tokenizer.json, without loading
+    the tokenizer: it must be the id the tokenizer itself has."""
+    from service.text import eos_token_id, load_tokenizer
+
+    for d in (model_dir, DEFAULT_MODEL_DIR):
+        assert eos_token_id(d) == load_tokenizer(d).eos_token_id is not None

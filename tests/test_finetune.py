@@ -203,8 +203,8 @@ def test_events_report_a_falling_loss(server, trained):
     valid = [e.data["valid_loss"] for e in events if e.type == "metrics" and "valid_loss" in e.data]
     assert len(valid) == 1 and valid[0] < losses[0]
     metrics = httpx.get(f"{server}/metrics").text
-    assert 'llm_finetune_jobs{state="succeeded"} 1.0' in metrics
-    loss_line = next(line for line in metrics.splitlines() if line.startswith("llm_finetune_loss "))
+    assert 'llm_finetune_jobs{engine="0",state="succeeded"} 1.0' in metrics
+    loss_line = next(line for line in metrics.splitlines() if line.startswith('llm_finetune_loss{engine="0"} '))
     assert 0 < float(loss_line.split()[1]) < losses[0]
 
 

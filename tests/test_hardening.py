@@ -412,7 +412,8 @@ def test_nothing_is_left_running(base_url):
     deadline = time.monotonic() + 10  # aborted requests leave the core within a step or two
     while True:
         m = scrape(base_url)
-        idle = (m[("llm_requests_running", ())], m[("llm_kv_cache_usage_ratio", ())]) == (0, 0)
+        core = (("engine", "0"),)
+        idle = (m[("llm_requests_running", core)], m[("llm_kv_cache_usage_ratio", core)]) == (0, 0)
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)

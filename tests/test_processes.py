@@ -31,8 +31,9 @@ def children(pid: int) -> dict[str, int]:
 
 def engine_stats(url: str) -> dict:
     m = scrape(url)
-    return {"running": m[("llm_requests_running", ())], "waiting": m[("llm_requests_waiting", ())],
-            "kv": m[("llm_kv_cache_usage_ratio", ())]}
+    core = (("engine", "0"),)
+    return {"running": m[("llm_requests_running", core)], "waiting": m[("llm_requests_waiting", core)],
+            "kv": m[("llm_kv_cache_usage_ratio", core)]}
 
 
 def wait_idle(url: str, timeout: float = 10) -> dict:

@@ -12,21 +12,23 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 KINDS = ("llama", "qwen2", "qwen3")
 
 
-def make_tiny_model(kind: str, path, dtype=torch.float32, seed: int = 0) -> Path:
-    """Writes a tiny random `kind` checkpoint (config.json, model.safetensors, tokenizer files) to path."""
+def make_tiny_model(kind: str, path, dtype=torch.float32, seed: int = 0, **overrides) -> Path:
+    """Writes a tiny random `kind` checkpoint (config.json, model.safetensors, tokenizer files) to path; overrides:
+    config fields other than COMMON's values (num_key_value_heads=1, say)."""
     import transformers
 
     torch.manual_seed(seed)
+    common = {**COMMON, **overrides}
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**COMMON, rope_theta=500000.0, tie_word_embeddings=False,
+        cfg = transformers.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
         model = transformers.LlamaForCausalLM(cfg)
     elif kind == "qwen2":
-        cfg = transformers.Qwen2Config(**COMMON, rope_theta=1000000.0, tie_word_embeddings=True)
+        cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
     elif kind == "qwen3":
-        cfg = transformers.Qwen3Config(**COMMON, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
+        cfg = transformers.Qwen3Config(**common, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False)
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
         raise ValueError(f"unknown kind {kind!r}, choose from {KINDS}")

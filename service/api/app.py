@@ -30,20 +30,20 @@ _REQUEST_ID = re.compile(r"[\w.:-]{1,128}")
 log = logging.getLogger("service.api")
 
 
-def create_app(settings: Settings, engine_address: str, name: str | None = None,
+def create_app(settings: Settings, engine_address: str | list[str], name: str | None = None,
                registry: CollectorRegistry | None = None, max_concurrent_requests: int | None = None) -> FastAPI:
-    """The app of one front-end, attached to the engine core at engine_address (a ZeroMQ address). name: this
-    front-end's identity towards the core (unique among the core's front-ends). Beyond max_concurrent_requests
-    (default: the setting) requests get 503."""
+    """The app of one front-end, attached to the engine core at engine_address (a ZeroMQ address), or to the cores
+    at a list of them (data parallelism). name: this front-end's identity towards the cores (unique among their
+    front-ends). Beyond max_concurrent_requests (default: the setting) requests get 503."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = EngineClient(engine_address, name or f"api-{os.getpid()}", app.state.metrics)
+        client = EngineClient(engine_address, name or f"api-{os.getpid()}", app.state.metrics, settings.block_size)
         await client.start(tokenizer_dir=local_model_dir(settings.model))
         app.state.engine = client
         # Accept no connection before this front-end can serve: the front-ends share one port, and the first to
-        # answer /health must not vouch for another still waiting for the engine core (it may load for minutes;
-        # meanwhile connections wait in the listening socket's queue).
+        # answer /health must not vouch for another still waiting for the engine cores (they may load for minutes;
+        # meanwhile connections wait in the listening socket's queue). /health: 200 once every core is attached.
         await client.wait_ready()
         yield
         await client.close()

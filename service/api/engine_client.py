@@ -7,14 +7,22 @@ front-end's work, off the engine's critical path), observes their inter-token la
 requests that hit a stop string, and wakes each request's consumer once. A consumer that fell behind takes all its
 waiting tokens at once, so its HTTP writes batch up by themselves under load.
 
-If the core goes away (its connection drops), every request in flight fails with EngineDead and the front-end
-reports not ready until a core answers again.
+With data parallelism the front-end holds a connection to each engine core and routes each new request to one
+of them (EngineClient._route: prefix affinity, bounded by load); everything about a request then goes to the core
+that owns it. Fine-tuning calls and requests for an adapter go to core 0, the one core that trains and serves
+adapters.
+
+If a core goes away (its connection drops), every request in flight there fails with EngineDead and the front-end
+reports not ready until that core answers again.
 """
 import asyncio
 import itertools
 import logging
 import time
+import zlib
+from array import array
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import zmq
@@ -41,6 +49,8 @@ from service.text import TextStream, encode_chat, load_tokenizer
 
 log = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 4096  # a few hundred microseconds of tokenizing: cheaper than a hop to a thread
+AFFINITY_BLOCKS = 4  # a prompt's first full KV blocks, up to this many, pick its core (see EngineClient._route)
+AFFINITY_SLACK = 4  # requests by which a prompt's own core may exceed the least loaded before it is passed over
 
 
 class EngineOverloaded(Exception):
@@ -131,22 +141,39 @@ class RequestStream:
         return batch
 
 
-class EngineClient:
-    def __init__(self, address: str, identity: str, metrics: FrontendMetrics):
+class CoreLink:
+    """This front-end's connection to one engine core, and what it has in flight there."""
+
+    def __init__(self, index: int, address: str):
+        self.index = index
         self.address = address
+        self.info: EngineInfo | None = None
+        self.streams: dict[str, RequestStream] = {}
+        self.admissions: dict[str, tuple[asyncio.Future, list[int], SamplingParams]] = {}
+        self.info_task: asyncio.Task | None = None
+        self.socket: zmq.Socket | None = None  # a DEALER, and its monitor, once started
+        self.monitor: zmq.Socket | None = None
+
+    @property
+    def load(self) -> int:
+        """Completions this front-end has running in that core, and requests it is submitting there."""
+        return len(self.streams) + len(self.admissions)
+
+
+class EngineClient:
+    def __init__(self, address: str | list[str], identity: str, metrics: FrontendMetrics, block_size: int = 16):
+        """address: the engine core's ZeroMQ address, or the addresses of cores 0, 1, ... (data parallelism)."""
+        self.cores = [CoreLink(i, a) for i, a in enumerate([address] if isinstance(address, str) else address)]
         self.identity = identity
         self.metrics = metrics
+        self.block_size = block_size
         self.context = zmq.Context()
-        self.info: EngineInfo | None = None
         self.tokenizer = None
         self.special_ids: set[int] = set()
         self.max_token_chars = 0
         self.accepting = True
-        self.streams: dict[str, RequestStream] = {}
-        self._admissions: dict[str, tuple[asyncio.Future, list[int], SamplingParams]] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
-        self._info_task: asyncio.Task | None = None
         self._tokenizer_dir: Path | None = None
         self._tokenizer_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
@@ -155,8 +182,13 @@ class EngineClient:
 
     # -- what the routes read ----------------------------------------------------------------------------
     @property
+    def info(self) -> EngineInfo | None:
+        """Core 0's: every core serves the same model, and core 0 alone the fine-tuned adapters."""
+        return self.cores[0].info
+
+    @property
     def ready(self) -> bool:
-        return self.info is not None and self.tokenizer is not None
+        return self.tokenizer is not None and all(core.info is not None for core in self.cores)
 
     @property
     def model_name(self) -> str:
@@ -189,32 +221,34 @@ class EngineClient:
 
     # -- lifecycle ---------------------------------------------------------------------------------------
     async def start(self, tokenizer_dir: Path | None = None) -> None:
-        """Connects to the engine core. tokenizer_dir: where the model's tokenizer is, when known before the core
-        says: it loads (seconds) while the core starts, not after."""
+        """Connects to the engine cores. tokenizer_dir: where the model's tokenizer is, when known before the cores
+        say: it loads (seconds) while they start, not after."""
         self.loop = asyncio.get_running_loop()
         if tokenizer_dir is not None:
             self._tokenizer_dir = tokenizer_dir.resolve()
             self._tokenizer_task = self.loop.create_task(asyncio.to_thread(load_tokenizer, tokenizer_dir))
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.ROUTING_ID, self.identity.encode())
-        self.socket.setsockopt(zmq.SNDHWM, 0)
-        self.socket.setsockopt(zmq.RCVHWM, 0)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.socket.connect(self.address)
-        # ZeroMQ's descriptors signal edges: each callback reads until nothing is left.
-        self.loop.add_reader(self.socket.FD, self._receive)
-        self.loop.add_reader(self.monitor.FD, self._watch)
-        self._watch()  # what happened before the readers were there
+        for core in self.cores:
+            core.socket = self.context.socket(zmq.DEALER)
+            core.socket.setsockopt(zmq.ROUTING_ID, self.identity.encode())
+            core.socket.setsockopt(zmq.SNDHWM, 0)
+            core.socket.setsockopt(zmq.RCVHWM, 0)
+            core.socket.setsockopt(zmq.LINGER, 0)
+            core.monitor = core.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            core.socket.connect(core.address)
+            # ZeroMQ's descriptors signal edges: each callback reads until nothing is left.
+            self.loop.add_reader(core.socket.FD, partial(self._receive, core))
+            self.loop.add_reader(core.monitor.FD, partial(self._watch, core))
+            self._watch(core)  # what happened before the readers were there
 
     async def close(self) -> None:
-        self.loop.remove_reader(self.socket.FD)
-        self.loop.remove_reader(self.monitor.FD)
-        if self._info_task is not None:
-            self._info_task.cancel()
-        self.socket.disable_monitor()
-        self.monitor.close()
-        self.socket.close()
+        for core in self.cores:
+            self.loop.remove_reader(core.socket.FD)
+            self.loop.remove_reader(core.monitor.FD)
+            if core.info_task is not None:
+                core.info_task.cancel()
+            core.socket.disable_monitor()
+            core.monitor.close()
+            core.socket.close()
         self.context.term()
 
     def drain(self, seconds: float) -> None:
@@ -227,73 +261,106 @@ class EngineClient:
 
     def fail_all(self, error: Exception) -> None:
         """Ends every request in flight (and every pending admission or call) with `error`."""
-        for stream in self.streams.values():
+        for core in self.cores:
+            self._fail(core, error)
+
+    def _fail(self, core: CoreLink, error: Exception) -> None:
+        """Ends what this front-end has in flight on one core with `error`."""
+        for stream in core.streams.values():
             stream.fail(error)
-        self.streams.clear()
-        for future in [*(future for future, _, _ in self._admissions.values()), *self._calls.values()]:
+        core.streams.clear()
+        futures = [future for future, _, _ in core.admissions.values()]
+        core.admissions.clear()
+        if core.index == 0:  # calls go to core 0
+            futures += self._calls.values()
+            self._calls.clear()
+        for future in futures:
             if not future.done():
                 future.set_exception(error)
-        self._admissions.clear()
-        self._calls.clear()
 
-    def _watch(self) -> None:
-        """Says hello whenever the core's socket connects; fails everything in flight when it drops."""
-        while self.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            event = parse_monitor_message(self.monitor.recv_multipart())
+    def _watch(self, core: CoreLink) -> None:
+        """Says hello whenever a core's socket connects; fails what is in flight there when it drops."""
+        while core.monitor.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            event = parse_monitor_message(core.monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
-                self._send(Hello())
+                self._send(core, Hello())
             elif event["event"] == zmq.EVENT_DISCONNECTED:
-                if self.info is not None:
-                    log.error("lost the engine core: failing %d requests in flight", len(self.streams))
-                self.info = None
-                self.fail_all(EngineDead("the engine core stopped"))
+                if core.info is not None:
+                    log.error("lost engine core %d: failing %d requests in flight", core.index, len(core.streams))
+                core.info = None
+                self._fail(core, EngineDead("the engine core stopped"))
 
-    def _send(self, message) -> None:
-        self.socket.send(self._pack(message), copy=False)
+    def _send(self, core: CoreLink, message) -> None:
+        core.socket.send(self._pack(message), copy=False)
         # A send may consume the descriptor's edge for messages already waiting: read them now.
-        self.loop.call_soon(self._receive)
+        self.loop.call_soon(self._receive, core)
 
     # -- requests ----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           adapter: str | None = None) -> list[RequestStream]:
-        """Admits a request into the core: the streams of its params.n completions, or EngineOverloaded /
+        """Admits a request into a core (_route): the streams of its params.n completions, or EngineOverloaded /
         RequestRejected (GrammarRejected) / EngineDead."""
         if not self.accepting:
             raise EngineOverloaded("the server is shutting down")
         if not self.ready:
             raise EngineDead("the engine core is not running")
-        if request_id in self.streams or request_id in self._admissions:
+        if any(request_id in core.streams or request_id in core.admissions for core in self.cores):
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        core = self._route(prompt_token_ids, adapter)
         admitted = asyncio.get_running_loop().create_future()
-        self._admissions[request_id] = (admitted, prompt_token_ids, params)
-        self._send(AddRequest(request_id, prompt_token_ids, params, adapter))
+        core.admissions[request_id] = (admitted, prompt_token_ids, params)
+        self._send(core, AddRequest(request_id, prompt_token_ids, params, adapter))
         try:
             return await admitted
         finally:
-            self._admissions.pop(request_id, None)
+            core.admissions.pop(request_id, None)
+
+    def _route(self, prompt_token_ids: list[int], adapter: str | None) -> CoreLink:
+        """The core for a new request. Its prompt's first full KV blocks (AFFINITY_BLOCKS of them, or all a
+        shorter prompt has) hash to a core: prompts that begin alike meet in one core's prefix cache, in every
+        front-end alike. That core is passed over for the least loaded one when it is much more loaded: by more
+        than AFFINITY_SLACK requests and by more than half the least loaded core's load. A prompt shorter than a
+        block goes to the least loaded core. Load is what this front-end has in flight on a core: the kernel
+        spreads connections evenly over the front-ends, so each balancing its own share balances the cores, and
+        a core that runs slowly (long prompts, a fine-tuning job) holds its requests longer and so gets fewer.
+        A request for an adapter goes to core 0, which alone trains and serves them."""
+        if len(self.cores) == 1 or adapter is not None:
+            return self.cores[0]
+        least = min(self.cores, key=lambda core: core.load)
+        blocks = min(len(prompt_token_ids) // self.block_size, AFFINITY_BLOCKS)
+        if blocks == 0:
+            return least
+        prefix = array("q", prompt_token_ids[:blocks * self.block_size]).tobytes()
+        home = self.cores[zlib.crc32(prefix) % len(self.cores)]  # the same in every process, unlike hash()
+        if home.load - least.load > max(AFFINITY_SLACK, least.load // 2):
+            return least
+        return home
 
     def abort(self, request_id: str) -> None:
-        """Stops a request the client no longer wants; its KV blocks are freed in the core's next drain."""
-        if self.streams.pop(request_id, None) is not None:
-            self._send(Abort([request_id]))
+        """Stops a request the client no longer wants; its KV blocks are freed in its core's next drain."""
+        for core in self.cores:
+            if core.streams.pop(request_id, None) is not None:
+                self._send(core, Abort([request_id]))
+                return
 
     async def call(self, method: str, **kwargs):
-        """A remote call into the core (fine-tuning files and jobs); raises CallError with the HTTP error."""
+        """A remote call into core 0, the one that keeps the fine-tuning files and runs the jobs; raises
+        CallError with the HTTP error."""
         if not self.ready:
             raise EngineDead("the engine core is not running")
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(Call(call_id, method, kwargs))
+        self._send(self.cores[0], Call(call_id, method, kwargs))
         return await future
 
-    # -- what the core sends -----------------------------------------------------------------------------
-    def _receive(self) -> None:
-        while self.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            message = self._unpack(self.socket.recv(copy=False))
+    # -- what the cores send -----------------------------------------------------------------------------
+    def _receive(self, core: CoreLink) -> None:
+        while core.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            message = self._unpack(core.socket.recv(copy=False))
             if isinstance(message, StepOutputs):
-                self._on_step(message.outputs)
+                self._on_step(core, message.outputs)
             elif isinstance(message, Admitted):
-                self._on_admitted(message)
+                self._on_admitted(core, message)
             elif isinstance(message, Reply):
                 future = self._calls.pop(message.call_id, None)
                 if future is not None and not future.done():
@@ -302,34 +369,39 @@ class EngineClient:
                     else:
                         future.set_exception(CallError(message.error))
             elif isinstance(message, AdaptersChanged):
-                if self.info is not None:
-                    self.info.adapters = message.adapters
+                if core.info is not None:
+                    core.info.adapters = message.adapters
             elif isinstance(message, EngineInfo):
-                self._info_task = self.loop.create_task(self._on_info(message))
+                core.info_task = self.loop.create_task(self._on_info(core, message))
 
-    async def _on_info(self, info: EngineInfo) -> None:
+    async def _on_info(self, core: CoreLink, info: EngineInfo) -> None:
         if self.tokenizer is None:
-            if self._tokenizer_task is not None and self._tokenizer_dir == Path(info.model_dir).resolve():
-                self.tokenizer = await self._tokenizer_task
-            else:
-                self.tokenizer = await asyncio.to_thread(load_tokenizer, info.model_dir)  # once, off the event loop
-            self.special_ids = set(self.tokenizer.all_special_ids)
-            # No token stands for more characters than its longest spelling: a text longer than this many per
-            # token of context cannot fit, and is refused without tokenizing it.
-            self.max_token_chars = max(map(len, self.tokenizer.get_vocab()))
-        self.info = info
-        self._ready.set()
-        log.info("attached to the engine core serving %s", info.model_name)
+            # Once, off the event loop, and only once however many cores answer meanwhile.
+            model_dir = Path(info.model_dir).resolve()
+            if self._tokenizer_task is None or self._tokenizer_dir != model_dir:
+                self._tokenizer_dir = model_dir
+                self._tokenizer_task = self.loop.create_task(asyncio.to_thread(load_tokenizer, info.model_dir))
+            tokenizer = await self._tokenizer_task
+            if self.tokenizer is None:
+                self.special_ids = set(tokenizer.all_special_ids)
+                # No token stands for more characters than its longest spelling: a text longer than this many per
+                # token of context cannot fit, and is refused without tokenizing it.
+                self.max_token_chars = max(map(len, tokenizer.get_vocab()))
+                self.tokenizer = tokenizer
+        core.info = info
+        log.info("attached to engine core %d serving %s", core.index, info.model_name)
+        if self.ready:
+            self._ready.set()
 
     async def wait_ready(self) -> None:
-        """Returns once the engine core has answered and the tokenizer is loaded."""
+        """Returns once every engine core has answered and the tokenizer is loaded."""
         await self._ready.wait()
 
-    def _on_admitted(self, message: Admitted) -> None:
+    def _on_admitted(self, core: CoreLink, message: Admitted) -> None:
         for request_id in message.accepted:
-            future, prompt_token_ids, params = self._admissions.pop(request_id, (None, None, None))
+            future, prompt_token_ids, params = core.admissions.pop(request_id, (None, None, None))
             if future is None or future.done():  # its client left meanwhile
-                self._send(Abort(choice_ids(request_id, params.n) if params else [request_id]))
+                self._send(core, Abort(choice_ids(request_id, params.n) if params else [request_id]))
                 continue
             # The streams exist before this task reads the request's first token. The core checked the prompt's
             # token ids: only now may the decoder see them.
@@ -337,20 +409,20 @@ class EngineClient:
             for choice_id in choice_ids(request_id, params.n):
                 text = TextStream(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
                 streams.append(RequestStream(choice_id, text, self.special_ids))
-                self.streams[choice_id] = streams[-1]
+                core.streams[choice_id] = streams[-1]
             future.set_result(streams)
         for rejection in message.rejected:
-            future, _, _ = self._admissions.pop(rejection.request_id, (None, None, None))
+            future, _, _ = core.admissions.pop(rejection.request_id, (None, None, None))
             if future is not None and not future.done():
                 error = {"overloaded": EngineOverloaded, "grammar": GrammarRejected}.get(rejection.reason,
                                                                                        RequestRejected)
                 future.set_exception(error(rejection.message))
 
-    def _on_step(self, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, core: CoreLink, outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         gaps, stopped = [], []
         for out in outputs:
-            stream = self.streams.get(out.request_id)
+            stream = core.streams.get(out.request_id)
             if stream is None:  # aborted here after the core made this token
                 continue
             if out.error is not None:
@@ -360,7 +432,7 @@ class EngineClient:
             if stream.timer is not None and out.error is None:
                 stream.timer.on_tokens(now, 1, gaps, out.queue_seconds)
             if stream.finished:
-                del self.streams[out.request_id]
+                del core.streams[out.request_id]
         observe_many(self.metrics.inter_token_latency, gaps)
         if stopped:
-            self._send(Abort(stopped))
+            self._send(core, Abort(stopped))

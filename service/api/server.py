@@ -1,5 +1,5 @@
 """An HTTP front-end process: uvicorn serving the app on the listening socket the launcher shares among all
-front-ends (the kernel spreads connections over them), attached to the one engine core."""
+front-ends (the kernel spreads connections over them), attached to every engine core."""
 import asyncio
 import resource
 import socket
@@ -86,9 +86,9 @@ def raise_descriptor_limit() -> int:
     return soft
 
 
-def serve(settings: Settings, engine_address: str, sock: socket.socket, name: str) -> None:
+def serve(settings: Settings, engine_addresses: list[str], sock: socket.socket, name: str) -> None:
     descriptors = raise_descriptor_limit()
-    app = create_app(settings, engine_address, name,
+    app = create_app(settings, engine_addresses, name,
                      max_concurrent_requests=min(settings.max_concurrent_requests, descriptors - DESCRIPTOR_RESERVE))
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), access_log=False,
                             http=guarded_http(settings.header_timeout), timeout_keep_alive=settings.keep_alive_timeout,

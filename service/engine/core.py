@@ -7,6 +7,10 @@ loop once its grammar has compiled.
 
 Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER socket, so every message names the
 front-end it came from and every answer goes to that front-end alone.
+
+With data parallelism (`data_parallel_size` > 1) the launcher starts several cores, each on its own device(s) and
+address; `engine_index` labels a core's metrics. Core 0 alone runs the fine-tuning jobs and serves their adapters:
+the front-ends send it every call and every request that names an adapter.
 """
 import logging
 import signal
@@ -52,12 +56,14 @@ class EngineBroken(RuntimeError):
 
 
 class EngineCore:
-    def __init__(self, settings: Settings, address: str, registry: CollectorRegistry | None = None):
+    def __init__(self, settings: Settings, address: str, registry: CollectorRegistry | None = None,
+                 engine_index: int = 0):
         self.settings = settings
-        self.metrics = EngineMetrics(registry or CollectorRegistry())
+        self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_index)
         self.engine = LLMEngine(settings)
-        self.jobs = JobManager(settings, self.engine.model, self.engine.model_name, self.metrics,
-                               on_adapters_changed=self._broadcast_adapters)
+        # One trainer: the other cores share finetune_dir but leave it alone, lest each resume its queued jobs.
+        self.jobs = None if engine_index else JobManager(settings, self.engine.model, self.engine.model_name,
+                                                          self.metrics, on_adapters_changed=self._broadcast_adapters)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step's outputs for a busy front-end
@@ -80,7 +86,11 @@ class EngineCore:
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(e.model_name, str(e.model_dir), e.max_model_len, e.model.config.vocab_size,
-                          e.kv_capacity_tokens, self.jobs.served_models())
+                          e.kv_capacity_tokens, self.jobs.served_models() if self.jobs else [])
+
+    def _train_in(self) -> float | None:
+        """Seconds until the next fine-tuning micro-batch is due (0: now); None when no job runs here."""
+        return None if self.jobs is None else self.jobs.seconds_until_work(time.perf_counter())
 
     # -- the loop ----------------------------------------------------------------------------------------
     def run(self, lifeline=None) -> None:
@@ -99,7 +109,7 @@ class EngineCore:
         log.info("engine core serving %s", self.engine.model_name)
         try:
             while not self._stopping:
-                train_in = self.jobs.seconds_until_work(time.perf_counter())
+                train_in = self._train_in()
                 if self.engine.has_work:
                     timeout = 0
                 else:
@@ -115,12 +125,13 @@ class EngineCore:
                     self._admit_compiled()
                 if self.engine.has_work:
                     self._step()
-                train_in = self.jobs.seconds_until_work(time.perf_counter())
-                if train_in == 0:
+                if self._train_in() == 0:
                     self.jobs.train_step(engine_busy=self.engine.has_work)
         finally:
             self.engine.grammars.shutdown()
-            self.jobs.shutdown()
+            self.engine.close()
+            if self.jobs is not None:
+                self.jobs.shutdown()
             self.socket.close()
             self.context.term()
             log.info("engine core stopped")
@@ -212,7 +223,7 @@ class EngineCore:
             e = self.engine
             return Reply(call.call_id, {"running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.kv_usage,
                                         "requests": len(e.requests), "owned": len(self.owner)})
-        if call.method not in JobManager.CALLS:
+        if call.method not in JobManager.CALLS or self.jobs is None:
             return Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}", "param": None,
                                               "code": None})
         try:

@@ -154,6 +154,11 @@ class JobManager:
         tokenized (num_examples in the training file). Checks everything that can be checked now, so a bad
         request fails here with a 4xx rather than later as a failed job."""
         req = body
+        if self.settings.tensor_parallel_size > 1:
+            # The trainer runs on one device; a sharded model would need the backward's collectives too.
+            raise JobError(400, "fine-tuning needs tensor_parallel_size 1 (this server shards the model over "
+                                f"{self.settings.tensor_parallel_size} ranks); adapters trained elsewhere are served",
+                           code="unsupported")
         if len(self.jobs) >= self.settings.finetune_max_jobs:
             raise JobError(400, f"the server keeps at most {self.settings.finetune_max_jobs} fine-tuning jobs",
                            code="limit_reached")

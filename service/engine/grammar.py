@@ -7,6 +7,7 @@ are filled on the CPU while the GPU runs the step's forward pass, and the sample
 """
 import json
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -30,22 +31,19 @@ def _message(error: Exception) -> str:
 class Grammars:
     """The engine's compiler of request grammars for one tokenizer and vocabulary."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
-        # Masks cover the tokenizer's tokens only: the sampler forbids the ids a padded embedding adds past them
-        # (xgrammar would check each of those in every mask: 0.3 ms a row for 148k of them).
-        self.vocab_size = min(len(tokenizer), vocab_size)
-        self._tokenizer, self._stop_token_ids = tokenizer, stop_token_ids
+    def __init__(self, model_dir, vocab_size: int, stop_token_ids: list[int]):
+        self._model_dir, self._model_vocab_size, self._stop_token_ids = model_dir, vocab_size, stop_token_ids
+        self.vocab_size = vocab_size  # until the tokenizer has loaded (the first grammar's compile)
         self._compiler = self._json_tokens = None
+        self._starting = threading.Lock()  # the first compiles, on two threads, start the compiler once
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
 
     def _compile(self, grammar: Grammar):
         import xgrammar as xgr  # a second of imports, paid by the first grammar, on a worker thread
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop_token_ids)
-            self._compiler = xgr.GrammarCompiler(info)
-            self._json_tokens = self._without_control_bytes(info.decoded_vocab)
+        with self._starting:
+            if self._compiler is None:
+                self._start_compiler(xgr)
         try:
             if grammar.kind == "json":
                 # Compact JSON: a model that likes whitespace could otherwise spend its whole budget on it.
@@ -56,6 +54,18 @@ class Grammars:
         except Exception as e:  # xgrammar raises RuntimeError (and ValueError) for every bad input
             raise GrammarError(_message(e)) from None
         raise GrammarError(f"unknown grammar kind {grammar.kind!r}")
+
+    def _start_compiler(self, xgr) -> None:
+        from service.text import load_tokenizer
+
+        tokenizer = load_tokenizer(self._model_dir)
+        # Masks cover the tokenizer's tokens only: the sampler forbids the ids a padded embedding adds past them
+        # (xgrammar would check each of those in every mask: 0.3 ms a row for 148k of them).
+        self.vocab_size = min(len(tokenizer), self._model_vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                  stop_token_ids=self._stop_token_ids)
+        self._json_tokens = self._without_control_bytes(info.decoded_vocab)
+        self._compiler = xgr.GrammarCompiler(info)
 
     def _without_control_bytes(self, decoded_vocab: list[bytes]) -> torch.Tensor:
         """Bits of the tokens with no control character. JSON strings must escape those, but xgrammar's strings

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from service.config import Settings
 from service.engine.llm_engine import EngineStepError, LLMEngine
 from service.protocol import SamplingParams, choice_ids
-from service.text import TextStream
+from service.text import TextStream, load_tokenizer
 
 
 @dataclass
@@ -22,7 +22,7 @@ class RequestOutput:
 class LLM:
     def __init__(self, model: str | None = None, **settings_overrides):
         self.engine = LLMEngine(Settings(model=model, **settings_overrides))
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = load_tokenizer(self.engine.model_dir)  # text is handled here, as in a front-end
         self._ids = itertools.count()
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -13,7 +13,6 @@ import gc
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +20,15 @@ import torch
 
 from service.config import Settings
 from service.engine.grammar import GrammarError, Grammars
-from service.engine.model_runner import ModelRunner
+from service.engine.model_runner import start_runner
 from service.engine.sampler import Sampled, Sampler, on_device
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import PENDING, Sequence, Status
+from service.engine.tp_workers import Workers
 from service.model.config import ModelConfig
 from service.model.loader import eos_token_ids, load_model, resolve_dtype, resolve_model_dir
+from service.model.parallel import SINGLE, TensorParallel, check_divisible
 from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids, choice_seed
-from service.text import load_tokenizer
 
 log = logging.getLogger(__name__)
 STEP_FAILED = "the engine failed to compute this request's step (the server's log has the details)"
@@ -66,11 +66,6 @@ class _InFlight:
     positions: list[int]  # where each one's PENDING token sits in its token_ids
 
 
-def _timed(fn, *args):
-    start = time.perf_counter()
-    return fn(*args), time.perf_counter() - start
-
-
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,8 +74,6 @@ def resolve_device(device: str) -> torch.device:
 
 class LLMEngine:
     def __init__(self, settings: Settings):
-        from kvcache import num_blocks_for_bytes, num_blocks_for_gpu
-
         self.settings = s = settings
         self.model_dir = resolve_model_dir(s.model)
         cfg = ModelConfig.from_dir(self.model_dir)
@@ -88,35 +81,23 @@ class LLMEngine:
         dtype = resolve_dtype(s.dtype, cfg, self.device)
         local = s.model is None or self.model_dir == Path(s.model)
         self.model_name = s.served_model_name or (self.model_dir.resolve().name if local else s.model)
-        log.info("loading %s (%s, %s) on %s", self.model_dir, cfg.architecture, dtype, self.device)
-        start = time.perf_counter()
-        with ThreadPoolExecutor(1) as pool:  # the tokenizer's imports (seconds) beside the weights' loading
-            tokenizer = pool.submit(_timed, load_tokenizer, self.model_dir)
-            self.model = load_model(self.model_dir, dtype, self.device)
-            model_seconds = time.perf_counter() - start
-            self.tokenizer, tokenizer_seconds = tokenizer.result()
-        # Start-up time is a target (a warm restart's first token within seconds): say where it goes.
-        log.info("model loaded in %.1fs, tokenizer beside it in %.1fs", model_seconds, tokenizer_seconds)
-        self.eos_token_ids = eos_token_ids(self.model_dir, self.tokenizer)
         self.max_model_len = min(s.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        self.runner = ModelRunner(self.model, s.block_size, self.max_model_len, s.max_num_seqs,
-                                  s.max_num_batched_tokens, s.cuda_graph_max_prefill_tokens)
-        shape = (cfg.num_hidden_layers, s.block_size, cfg.num_key_value_heads, cfg.head_dim, dtype)
-        tuning_dir = Path(s.compile_cache_dir).expanduser()
-        if self.device.type == "cuda":
-            from kernels import tuning
-            log.info("autotuning results from earlier starts: %d", tuning.load(tuning_dir))
-        if s.num_kv_blocks is not None:
-            num_blocks = s.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = num_blocks_for_gpu(s.gpu_memory_utilization, self.runner.profile_activation_peak(), *shape,
-                                            device=self.device)
-        else:
-            num_blocks = num_blocks_for_bytes(s.cpu_kv_cache_bytes, *shape)
-        kv_cache = self.runner.allocate_kv_cache(num_blocks, s.cuda_graphs)
-        if self.device.type == "cuda":
-            tuning.save(tuning_dir)
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, s.block_size, kv_cache.nbytes / 2**20)
+        log.info("loading %s (%s, %s) on %s", self.model_dir, cfg.architecture, dtype, self.device)
+        self.workers, tp = None, SINGLE
+        if s.tensor_parallel_size > 1:
+            check_divisible(cfg, s.tensor_parallel_size)  # before any process starts
+            self.workers = Workers(s, self.model_dir, dtype, self.device, self.max_model_len)
+            tp = TensorParallel.current()
+        self._broken = False
+        start = time.perf_counter()
+        self.model = load_model(self.model_dir, dtype, self.device, tp)
+        # Start-up time is a target (a warm restart's first token within seconds): say where it goes.
+        log.info("model loaded in %.1fs", time.perf_counter() - start)
+        # Token ids only: the tokenizer itself (transformers' imports take seconds) loads when a grammar needs it.
+        self.eos_token_ids = eos_token_ids(self.model_dir)
+        self.runner = start_runner(self.model, s, self.max_model_len)
+        self.runner.workers = self.workers
+        num_blocks = self.runner.kv_cache.num_blocks
         # A step with decodes fits the largest prefill graph, if that leaves prompts room beside a full decode batch.
         graph_tokens = max((t for t, _ in self.runner.prefill_graphs), default=0)
         mixed = s.max_mixed_step_tokens or (graph_tokens if graph_tokens >= 2 * s.max_num_seqs
@@ -127,7 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
                                    s.max_num_batched_tokens, self.max_model_len, mixed, hold)
         self.sampler = Sampler()
-        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
@@ -354,6 +335,8 @@ class LLMEngine:
         return outputs
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        # The other tensor-parallel ranks may have run (or be waiting in) a step this rank gave up: out of step.
+        self._broken |= self.workers is not None
         failed = [s for s in seqs if s.status != Status.FINISHED]
         # The details are for the operator: clients learn that their step failed, not the engine's internals.
         log.error("engine step failed for requests %s", [s.request_id for s in failed], exc_info=error)
@@ -361,8 +344,17 @@ class LLMEngine:
             self.abort(seq.request_id)
         return [RequestOutput(seq.request_id, error=STEP_FAILED) for seq in failed]
 
+    def close(self) -> None:
+        """Stops the tensor-parallel workers, if any (the engine core ends; an offline LLM is done)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
     def healthy(self) -> bool:
-        """False once the device itself failed (a CUDA error poisons the context: only a new process recovers)."""
+        """False once the device itself failed (a CUDA error poisons the context: only a new process recovers), or
+        a step failed under tensor parallelism."""
+        if self._broken:
+            return False
         if self.device.type != "cuda":
             return True
         try:

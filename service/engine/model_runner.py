@@ -12,13 +12,16 @@ A decode input may be a token the previous step sampled that the host has not se
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
 """
 import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from kernels.decode import choose_num_splits
 from kernels.prefill import max_tiles, multi_row_tiles
-from kvcache import KVCache
+from kvcache import KVCache, num_blocks_for_bytes, num_blocks_for_gpu
+from service.config import Settings
 from service.engine.sampler import greedy
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
@@ -31,7 +34,28 @@ GRAPH_BATCH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
-DECODE_COLUMNS = 8  # of a decode step's per-sequence int32 row (6 used, 32 bytes), see _replay
+DECODE_COLUMNS = 8  # of a decode step's per-sequence int32 row (6 used, 32 bytes), see _decode_rows
+DECODE_GRAPH, PREFILL_GRAPH, EAGER = 0, 1, 2
+
+
+@dataclass
+class StepPlan:
+    """One step as ModelRunner.execute runs it on every tensor-parallel rank: the host's decisions (which graph)
+    and its inputs packed in numpy arrays (_decode_rows, or _pack's three)."""
+    kind: int  # DECODE_GRAPH, PREFILL_GRAPH or EAGER
+    key: tuple[int, int]  # the graph's: (batch size, 0) or (tokens, sequences)
+    num_tokens: int
+    num_seqs: int
+    num_samples: int  # rows sampled
+    pending: int  # length of the previous step's sampled tokens it reads (0: it reads none)
+    copies: list[tuple[int, int]]  # copy-on-write block copies, before the step
+    adapters_changed: dict[str, str | None] | None  # see ModelRunner._adapter_changes
+    arrays: list[np.ndarray] = field(default_factory=list)
+    max_seqlen_q: int = 1  # eager steps only, from here on
+    max_seqlen_k: int = 0
+    decode: bool = False  # every sequence has one query row
+    tiles: int = -1  # the prefill kernel's tiles beside single-row sequences (-1: it computes every row)
+    adapters: list[str | None] | None = None  # each token row's LoRA adapter
 
 
 class ModelRunner:
@@ -39,6 +63,11 @@ class ModelRunner:
                  max_prefill_graph_tokens: int = 0):
         self.model = model
         self.cfg = model.config
+        self.tp = model.tp
+        self.num_kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+        self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' handle (send(plan))
+        self._adapters_sent: dict[str, str | None] = {}
+        self._pending: torch.Tensor | None = None  # a worker's copy of rank 0's sampled tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
@@ -130,46 +159,63 @@ class ModelRunner:
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
         if num_tiles is not None:
             bucket = next((b for b in PREFILL_GRAPH_SEQS if b >= batch), batch)
-            meta.num_splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
+            meta.num_splits = choose_num_splits(bucket, self.num_kv_heads, self.device)
             meta.single_row_seqlens_k, meta.q_tiles = lens[3, :batch], lens[4:, :num_tiles]
         return meta
 
     def _inputs(self, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
-                write_cache: bool = True, sources: np.ndarray | None = None, pending: torch.Tensor | None = None,
-                sample_rows: list[int] = ()) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
-        """Token ids (PENDING ones taken from `pending` by `sources`, see _pack), positions, attention metadata and
-        the rows to sample of an eager step; write_cache=False leaves the cache untouched (slots -1)."""
-        n, batch = len(input_ids), len(seqlens_q)
-        flat, packed, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, batch, sources,
-                                         sample_rows, write_cache)
+                write_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Token ids, positions, attention metadata and the rows to sample of an eager start-up step (warm-up,
+        profiling); write_cache=False leaves the cache untouched (slots -1)."""
+        n = len(input_ids)
+        flat, packed, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, len(seqlens_q),
+                                         write_cache=write_cache)
+        plan = StepPlan(EAGER, (0, 0), n, len(seqlens_q), 0, 0, [], None, max_seqlen_q=max(seqlens_q),
+                        max_seqlen_k=max(seqlens_k), decode=all(q == 1 for q in seqlens_q),
+                        tiles=int((packed[4] >= 0).sum()) if 1 in seqlens_q else -1)
+        return self._eager_inputs(plan, flat, packed, table, None)
+
+    def _eager_inputs(self, plan: StepPlan, flat: np.ndarray, packed: np.ndarray, table: np.ndarray,
+                      pending: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """An eager step's token ids (PENDING ones taken from `pending`, see _pack), positions, attention metadata
+        and rows to sample, on the device."""
+        n, batch = plan.num_tokens, plan.num_seqs
         flat, lens, block_table = (self._tensor(flat, torch.long), self._tensor(packed, torch.int32),
                                    self._tensor(table, torch.int32))
         ids, positions, slots = _take_pending(flat[0, :n], flat[1, :n], pending), flat[2, :n], flat[3, :n]
-        if all(q == 1 for q in seqlens_q):
+        if plan.decode:
             meta = self._decode_metadata(slots, block_table, lens[2, :batch])
         else:
-            tiles = int((packed[4] >= 0).sum()) if 1 in seqlens_q else None
-            meta = self._metadata(slots, block_table, lens, batch, max(seqlens_q), max(seqlens_k), tiles)
-        return ids, positions, meta, flat[4, :len(sample_rows)]
+            meta = self._metadata(slots, block_table, lens, batch, plan.max_seqlen_q, plan.max_seqlen_k,
+                                  None if plan.tiles < 0 else plan.tiles)
+        return ids, positions, meta, flat[4, :plan.num_samples]
 
     def _decode_metadata(self, slots, block_table, seqlens_k) -> AttentionMetadata:
         # Split as the graph that would hold this batch does: an eager step (LoRA adapters, a batch past the
         # largest graph) computes what that graph would, and reuses the kernel variants its capture compiled.
         batch = block_table.shape[0]
         bucket = next((b for b in GRAPH_BATCH_SIZES if b >= batch), batch)
-        splits = choose_num_splits(bucket, self.cfg.num_key_value_heads, self.device)
+        splits = choose_num_splits(bucket, self.num_kv_heads, self.device)
         return AttentionMetadata(slot_mapping=slots, block_table=block_table, seqlens_k=seqlens_k, decode=True,
                                  num_splits=splits)
 
     # -- steps -------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch, pending: torch.Tensor | None
             ) -> tuple[torch.Tensor, list[int], tuple[torch.Tensor, torch.Tensor] | None]:
         """Computes batch.num_tokens[i] new tokens of batch.seqs[i] from batch.starts[i] on; pending: the
         previous step's sampled tokens on the device (for PENDING inputs). Returns logits of the sequences whose
         chunk reaches their last token, those sequences' indices in the batch, and, from a decode graph, each
-        row's argmax and its logprob (else None)."""
-        self.kv_cache.copy_blocks(batch.copies)
+        row's argmax and its logprob (else None). Tensor-parallel workers run the same step from its plan."""
+        plan, sample_index = self.plan(batch, pending)
+        if self.workers is not None:
+            self.workers.send(plan)
+        logits, greedy = self.execute(plan, pending)
+        return logits, sample_index, greedy
+
+    def plan(self, batch: ScheduledBatch, pending: torch.Tensor | None) -> tuple[StepPlan, list[int]]:
+        """The step's host work: which graph (or none) runs it and its packed inputs; and the indices in the batch
+        of the sequences it samples."""
         input_ids, seqlens_q, seqlens_k, fill_rows, from_rows, sample_rows, sample_index = [], [], [], [], [], [], []
         for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
             end = start + n
@@ -182,47 +228,110 @@ class ModelRunner:
             if end == len(seq.token_ids):
                 sample_rows.append(len(input_ids) - 1)
                 sample_index.append(i)
+        plan = StepPlan(EAGER, (0, 0), len(input_ids), len(batch.seqs), len(sample_rows),
+                        len(pending) if pending is not None and fill_rows else 0, batch.copies,
+                        self._adapter_changes())
         # A decode graph samples every row: a one-token prompt chunk that is not the prompt's last (room for one
         # more token beside the decodes) makes the step a mixed one.
         decode = len(input_ids) == len(batch.seqs) == len(sample_rows)
         adapters = any(seq.adapter for seq in batch.seqs)
         if decode:
             key = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
-            graphs = (self.graphs, self.graph_logits)
         else:
             key = next((k for k in self.prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
-            graphs = (self.prefill_graphs, self.prefill_hidden)
-        graph = None if key is None or adapters else (graphs[0][key], graphs[1][key])
-        if graph is not None and decode:
-            # A decode step samples every row. (Indexing with a host list would copy it to the device with a
-            # blocking copy, which waits for the step in flight: no overlap.)
-            logits, tokens, logprobs = self._replay(*graph, key, batch, input_ids, pending)
-            n = len(sample_rows)
-            return logits[:n], sample_index, (tokens[:n], logprobs[:n])
+        if key is not None and not adapters and decode:
+            plan.kind, plan.key = DECODE_GRAPH, (key, 0)
+            plan.arrays = self._decode_rows(key, batch, input_ids)
+            return plan, sample_index
         sources = None
         if fill_rows:
             sources = np.full(len(input_ids), -1, dtype=np.int64)
             sources[fill_rows] = from_rows
-        if graph is not None:
-            hidden, rows = self._replay_prefill(*graph, key, input_ids, seqlens_q, seqlens_k, batch.block_tables,
-                                                sources, pending, sample_rows)
-            return self.model.compute_logits(hidden[rows]), sample_index, None
-        ids, positions, meta, rows = self._inputs(input_ids, seqlens_q, seqlens_k, batch.block_tables,
-                                                  sources=sources, pending=pending if fill_rows else None,
-                                                  sample_rows=sample_rows)
-        if adapters:  # LoRA on the rows of the sequences that asked for one, through hooks
+        if key is not None and not adapters:
+            plan.kind, plan.key = PREFILL_GRAPH, key
+            plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, batch.block_tables,
+                                          self.prefill_static["tokens"].shape[1], self.prefill_static["block_table"]
+                                          .shape[0], sources, sample_rows, num_tiles=self._num_tiles))
+            return plan, sample_index
+        plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, batch.block_tables,
+                                      -(-len(input_ids) // 16) * 16, len(batch.seqs), sources, sample_rows))
+        plan.max_seqlen_q, plan.max_seqlen_k, plan.decode = max(seqlens_q), max(seqlens_k), all(
+            q == 1 for q in seqlens_q)
+        plan.tiles = int((plan.arrays[1][4] >= 0).sum()) if 1 in seqlens_q else -1
+        if adapters:
+            plan.adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
+        return plan, sample_index
+
+    def _adapter_changes(self) -> dict[str, str | None] | None:
+        """The served LoRA adapters added (name: file) or removed (name: None) since the last step's plan, which
+        tensor-parallel workers load (cut to their slices) before the step."""
+        if self.workers is None:
+            return None
+        served = {name: a.source for name, a in getattr(self.model, "lora_adapters", {}).items()}
+        if served == self._adapters_sent:
+            return None
+        changes = {name: path for name, path in served.items() if self._adapters_sent.get(name) != path}
+        changes |= {name: None for name in self._adapters_sent if name not in served}
+        self._adapters_sent = served
+        return changes
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, pending: torch.Tensor | None
+                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Runs a planned step on this rank: (logits of the rows to sample, a decode graph's argmax and logprobs
+        of them or None). Under tensor parallelism every rank runs it; rank 0's `pending` reaches the others."""
+        if plan.adapters_changed:
+            self._apply_adapter_changes(plan.adapters_changed)
+        self.kv_cache.copy_blocks(plan.copies)
+        pending = self._share_pending(plan, pending)
+        n = plan.num_samples
+        if plan.kind == DECODE_GRAPH:
+            logits, tokens, logprobs = self._replay(plan.key[0], *plan.arrays, pending)
+            return logits[:n], (tokens[:n], logprobs[:n])
+        flat, packed, table = plan.arrays
+        if plan.kind == PREFILL_GRAPH:
+            hidden, rows = self._replay_prefill(plan.key, plan.num_tokens, plan.num_seqs, flat, packed, table,
+                                                pending)
+            return self.model.compute_logits(hidden[rows[:n]]), None
+        ids, positions, meta, rows = self._eager_inputs(plan, flat, packed, table, pending)
+        if plan.adapters:  # LoRA on the rows of the sequences that asked for one, through hooks
             from service.model.lora import serving_adapters
-            per_token = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
-            with serving_adapters(self.model, per_token, self.device):
+            with serving_adapters(self.model, plan.adapters, self.device):
                 hidden = self.model(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
-        return self.model.compute_logits(hidden[rows]), sample_index, None
+        return self.model.compute_logits(hidden[rows]), None
+
+    def _share_pending(self, plan: StepPlan, pending: torch.Tensor | None) -> torch.Tensor | None:
+        """The previous step's sampled tokens, if this step reads any: rank 0 sampled them and broadcasts them."""
+        if not plan.pending:
+            return None
+        if self.tp.size == 1:
+            return pending
+        if self.tp.rank == 0:
+            pending = pending.contiguous()
+        else:
+            if self._pending is None or len(self._pending) < plan.pending:
+                self._pending = torch.zeros(max(plan.pending, self.max_num_seqs), dtype=torch.long,
+                                            device=self.device)
+            pending = self._pending[:plan.pending]
+        torch.distributed.broadcast(pending, 0)
+        return pending
+
+    def _apply_adapter_changes(self, changes: dict[str, str | None]) -> None:
+        if self.tp.rank == 0:  # rank 0 served them already: its plan reports what it serves
+            return
+        from service.model.lora import Adapter, add_adapter, remove_adapter
+        for name, path in changes.items():
+            if path is None:
+                remove_adapter(self.model, name)
+            else:
+                add_adapter(self.model, name, Adapter.load(path, self.device, self.dtype))
 
     # -- start-up ----------------------------------------------------------------------------------------
     def _cache(self, num_blocks: int) -> KVCache:
         cfg = self.cfg
-        return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim,
+        return KVCache(cfg.num_hidden_layers, num_blocks, self.block_size, self.num_kv_heads, cfg.head_dim,
                        self.dtype, str(self.device))
 
     def _full_budget_batch(self) -> tuple[list[int], list[list[int]]]:
@@ -367,16 +476,12 @@ class ModelRunner:
                               self.max_model_len, max_tiles(t, b))
         return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
-    @torch.inference_mode()
-    def _replay(self, graph: torch.cuda.CUDAGraph, outputs: tuple, bs: int, batch: ScheduledBatch,
-                input_ids: list[int], pending: torch.Tensor | None) -> tuple:
-        """Writes a decode step's inputs into the graphs' static buffers (stream-ordered copies: the step in
-        flight has read them by then) and replays `graph`, a decode graph of batch size bs; returns its outputs.
-        The inputs go over in one copy: a row per sequence of its token, the row of the previous step's sampled
-        tokens to take it from instead (-1: none), its position, slot and key count, and its row of the block
-        tables on the device; those rows change only where a table grew or was replaced (see _sync_tables)."""
+    def _decode_rows(self, bs: int, batch: ScheduledBatch, input_ids: list[int]) -> list[np.ndarray]:
+        """A decode graph's inputs: a row per sequence of its token, the row of the previous step's sampled tokens to
+        take it from instead (-1: none), its position, slot and key count, and its row of the block tables on the
+        device; and the (row, column, block) entries of those tables that changed (see _sync_tables)."""
         block_size, tables, n = self.block_size, batch.block_tables, len(batch.seqs)
-        table_rows = self._sync_tables(batch.seqs, tables)
+        table_rows, updates = self._sync_tables(batch.seqs, tables)
         head = []
         for token, table, start, seq, row in zip(input_ids, tables, batch.starts, batch.seqs, table_rows):
             head += (token, seq.pending_row if token == PENDING else -1, start,
@@ -384,18 +489,26 @@ class ModelRunner:
         rows = np.zeros((bs, DECODE_COLUMNS), dtype=np.int32)
         rows[:n, :6] = np.asarray(head, dtype=np.int32).reshape(n, 6)
         rows[n:, 1] = rows[n:, 3] = -1  # padding rows: no slot, no keys
+        return [rows, updates]
+
+    @torch.inference_mode()
+    def _replay(self, bs: int, rows: np.ndarray, updates: np.ndarray, pending: torch.Tensor | None) -> tuple:
+        """Replays the decode graph of batch size bs on its inputs (_decode_rows), written into the graphs' static
+        buffers by stream-ordered copies (the step in flight has read them by then); returns its outputs."""
         s = self.static
+        self._update_tables(updates)
         self._copy_in(s["rows"][:bs], rows)
         if pending is not None:
             s["pending"][:len(pending)] = pending
-        graph.replay()
-        return outputs
+        self.graphs[bs].replay()
+        return self.graph_logits[bs]
 
-    def _sync_tables(self, seqs: list, tables: list[list[int]]) -> list[int]:
-        """Each sequence's row in the decode graphs' block tables on the device, after writing there what changed
-        since its last decode step: all of a table the rows do not hold (a sequence new to decode steps, or whose
-        table was replaced: preempted and readmitted), else its new blocks, and its last block again if
-        copy-on-write replaced it. A sequence absent from a decode step gives its row back."""
+    def _sync_tables(self, seqs: list, tables: list[list[int]]) -> tuple[list[int], np.ndarray]:
+        """Each sequence's row in the decode graphs' block tables on the device, and the (row, column, block)
+        entries to write there: what changed since its last decode step: all of a table the rows do not hold (a
+        sequence new to decode steps, or whose table was replaced: preempted and readmitted), else its new blocks,
+        and its last block again if copy-on-write replaced it. A sequence absent from a decode step gives its row
+        back."""
         held, present = self._table_rows, set(seqs)
         for seq in [seq for seq in held if seq not in present]:
             self._free_table_rows.append(held.pop(seq)[1])
@@ -415,31 +528,58 @@ class ModelRunner:
                 updates += (row, col, table[col])
             held[seq] = (table, row, len(table), table[-1])
             rows.append(row)
-        if updates:
-            u = self._tensor(updates, torch.int32).view(-1, 3)
+        return rows, np.asarray(updates, dtype=np.int32).reshape(-1, 3)
+
+    def _update_tables(self, updates: np.ndarray) -> None:
+        if len(updates):
+            u = self._tensor(updates, torch.int32)
             self.static["tables"][u[:, 0], u[:, 1]] = u[:, 2]
-        return rows
 
     @torch.inference_mode()
-    def _replay_prefill(self, graph: torch.cuda.CUDAGraph, hidden: torch.Tensor, key: tuple[int, int],
-                        input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int], tables: list[list[int]],
-                        sources: np.ndarray | None, pending: torch.Tensor | None,
-                        sample_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Copies a prefill or mixed step's inputs into the static buffers of `graph`, a prefill graph of (tokens,
-        sequences) `key` (padding: tokens without a slot, sequences without tokens), in three stream-ordered
-        copies, and replays it. Returns its hidden states of all `key[0]` rows (the step's are the first
-        len(input_ids)) and, on the device, the rows to sample."""
-        s, n, batch = self.prefill_static, len(input_ids), len(seqlens_q)
-        tokens, max_b = s["tokens"], s["block_table"].shape[0]
-        flat, lens, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, tokens.shape[1], max_b, sources,
-                                       sample_rows, num_tiles=self._num_tiles)
+    def _replay_prefill(self, key: tuple[int, int], n: int, batch: int, flat: np.ndarray, lens: np.ndarray,
+                        table: np.ndarray, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies a prefill or mixed step's inputs (_pack's arrays at the graphs' size) into the static buffers of
+        the prefill graph of (tokens, sequences) `key` (padding: tokens without a slot, sequences without tokens),
+        in three stream-ordered copies, and replays it. Returns its hidden states of all `key[0]` rows (the step's
+        are the first n) and, on the device, the rows to sample."""
+        s = self.prefill_static
+        tokens = s["tokens"]
         self._copy_in(tokens, flat)
         self._copy_in(s["lens"], lens)
         self._copy_in(s["block_table"][:batch, :table.shape[1]], table)
-        if sources is not None:
+        if pending is not None:
             tokens[0, :n] = _take_pending(tokens[0, :n], tokens[1, :n], pending)
-        graph.replay()
-        return hidden, tokens[4, :len(sample_rows)]
+        self.prefill_graphs[key].replay()
+        return self.prefill_hidden[key], tokens[4]
+
+
+def start_runner(model, s: Settings, max_model_len: int) -> ModelRunner:
+    """The runner of a loaded model (one rank's, under tensor parallelism), its KV cache allocated (as many blocks
+    as fit this rank's memory, the fewest of any rank), its kernels tuned and its CUDA graphs captured."""
+    runner = ModelRunner(model, s.block_size, max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
+                         s.cuda_graph_max_prefill_tokens)
+    cfg, device, tp = model.config, runner.device, runner.tp
+    shape = (cfg.num_hidden_layers, s.block_size, runner.num_kv_heads, cfg.head_dim, runner.dtype)
+    tuning_dir = Path(s.compile_cache_dir).expanduser()
+    if device.type == "cuda":
+        from kernels import tuning
+        log.info("autotuning results from earlier starts: %d", tuning.load(tuning_dir))
+    if s.num_kv_blocks is not None:
+        num_blocks = s.num_kv_blocks
+    elif device.type == "cuda":
+        num_blocks = num_blocks_for_gpu(s.gpu_memory_utilization, runner.profile_activation_peak(), *shape,
+                                        device=device)
+    else:
+        num_blocks = num_blocks_for_bytes(s.cpu_kv_cache_bytes, *shape)
+    if tp.size > 1:  # every rank holds the same block ids
+        fewest = torch.tensor([num_blocks], device=device)
+        torch.distributed.all_reduce(fewest, torch.distributed.ReduceOp.MIN)
+        num_blocks = int(fewest.item())
+    kv_cache = runner.allocate_kv_cache(num_blocks, s.cuda_graphs)
+    if device.type == "cuda" and tp.rank == 0:
+        tuning.save(tuning_dir)
+    log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, s.block_size, kv_cache.nbytes / 2**20)
+    return runner
 
 
 def _section(num_seqs: int) -> int:

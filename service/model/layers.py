@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.model.parallel import SINGLE, TensorParallel, all_reduce
+
 
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.is_grad_enabled()
@@ -90,8 +92,12 @@ def silu_mul_ref(gate, up):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    """intermediate_size: this rank's share of the MLP width under tensor parallelism (its down_proj output is
+    then a partial sum, all-reduced)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TensorParallel = SINGLE):
         super().__init__()
+        self.tp = tp
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -100,5 +106,5 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if _use_kernels(gate):
             from kernels.elementwise import silu_mul
-            return self.down_proj(silu_mul(gate, up))
-        return self.down_proj(silu_mul_ref(gate, up))
+            return all_reduce(self.down_proj(silu_mul(gate, up)), self.tp)
+        return all_reduce(self.down_proj(silu_mul_ref(gate, up)), self.tp)

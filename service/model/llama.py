@@ -12,12 +12,16 @@ from torch import nn
 from service.model.attention import AttentionMetadata, dense_attention, paged_attention, varlen_attention
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding
+from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Under tensor parallelism: this rank's query and KV heads (service.model.parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = local_heads(cfg, tp)
         self.head_dim = cfg.head_dim
         self.scale = self.head_dim ** -0.5
         bias = cfg.attention_bias
@@ -44,16 +48,16 @@ class Attention(nn.Module):
             out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
             out = dense_attention(q, k, v, self.scale)
-        return self.o_proj(out.reshape(*shape, -1))
+        return all_reduce(self.o_proj(out.reshape(*shape, -1)), self.tp)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
 
     def forward(self, x, positions, rotary, meta, cu_seqlens=None, max_seqlen=0):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cu_seqlens, max_seqlen)
@@ -61,26 +65,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.tp, self.vocab_size = tp, cfg.vocab_size
+        self.embed_tokens = nn.Embedding(vocab_rows(cfg.vocab_size, tp)[1], cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, meta=None, cu_seqlens=None, max_seqlen=0):
-        x = self.embed_tokens(input_ids)
+        x = embed(self.embed_tokens.weight, input_ids, self.vocab_size, self.tp)
         for layer in self.layers:
             x = layer(x, positions, self.rotary_emb, meta, cu_seqlens, max_seqlen)
         return self.norm(x)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """tp: this rank's place when the model is sharded (service.model.parallel); its weights are then slices."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows(cfg.vocab_size, tp)[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -95,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden):
-        return self.lm_head(hidden)
+        return gather_logits(self.lm_head(hidden), self.config.vocab_size, self.tp)
 
     def forward_train(self, input_ids, positions=None, cu_seqlens=None, max_seqlen: int = 0):
         """Training logits. input_ids [batch, seq] (positions default 0..seq-1), or packed [tokens] with

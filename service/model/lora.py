@@ -51,8 +51,9 @@ class LoRAConfig:
 class Adapter:
     """The update of every targeted projection: weights[name] = (A [r, in], B [out, r]) or (D [out, in],)."""
 
-    def __init__(self, config: LoRAConfig, weights: dict[str, tuple[torch.Tensor, ...]]):
+    def __init__(self, config: LoRAConfig, weights: dict[str, tuple[torch.Tensor, ...]], source=None):
         self.config, self.weights, self.scale = config, weights, config.scale
+        self.source = source  # the file it was loaded from: tensor-parallel workers load it from there too
 
     @classmethod
     def init(cls, model: nn.Module, config: LoRAConfig, seed: int = 0) -> "Adapter":
@@ -85,7 +86,7 @@ class Adapter:
     def to(self, device, dtype) -> "Adapter":
         """A frozen copy for serving."""
         return Adapter(self.config, {n: tuple(t.detach().to(device, dtype) for t in ts)
-                                     for n, ts in self.weights.items()})
+                                     for n, ts in self.weights.items()}, self.source)
 
     def save(self, path, metadata: dict | None = None) -> None:
         """Atomically (tmp file + os.replace), so a crash never leaves a half-written adapter."""
@@ -98,6 +99,24 @@ class Adapter:
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
 
+    def shard(self, cfg, tp) -> "Adapter":
+        """The slices rank tp.rank applies, cut like the projections they update (service.model.parallel): a
+        column-split projection's B (or D) by rows, a row-split one's A (or D) by columns, whose partial update
+        the projection's all-reduce then sums."""
+        from service.model.parallel import shard_range
+
+        weights = {}
+        for name, tensors in self.weights.items():
+            cut = shard_range(name.rsplit(".", 1)[-1], cfg, tp)
+            if cut is not None:
+                dim, start, stop = cut
+                which = 0 if len(tensors) == 1 else (1 if dim == 0 else 0)  # D, else B for rows and A for columns
+                t = tensors[which]
+                piece = t[start:stop] if dim == 0 else t[:, start:stop]
+                tensors = tuple(piece.contiguous() if i == which else x for i, x in enumerate(tensors))
+            weights[name] = tensors
+        return Adapter(self.config, weights, self.source)
+
     @classmethod
     def load(cls, path, device, dtype) -> "Adapter":
         with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -105,7 +124,7 @@ class Adapter:
             keys = ("delta",) if config.full else ("lora_A", "lora_B")
             names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
             weights = {n: tuple(f.get_tensor(f"{n}.{k}").to(dtype) for k in keys) for n in names}
-        return cls(config, weights)
+        return cls(config, weights, str(path))
 
 
 def target_linears(model: nn.Module, targets=TARGETS) -> dict[str, nn.Linear]:
@@ -147,11 +166,15 @@ def has_adapter(model: nn.Module, name: str) -> bool:
 
 
 def add_adapter(model: nn.Module, name: str, adapter: Adapter) -> None:
-    """Serves `adapter` under `name` from now on (a dict assignment: safe while steps run)."""
+    """Serves `adapter` (whole, as trained) under `name` from now on (a dict assignment: safe while steps run); a
+    tensor-parallel rank keeps its slices."""
     install(model)
     missing = set(adapter.weights) - set(target_linears(model))
     if missing:
         raise ValueError(f"adapter targets modules the model lacks: {sorted(missing)[:3]}")
+    tp = getattr(model, "tp", None)
+    if tp is not None and tp.size > 1:
+        adapter = adapter.shard(model.config, tp)
     model.lora_adapters = {**model.lora_adapters, name: adapter}
 
 
