@@ -57,7 +57,10 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.register_buffer("cos_sin", self._table(), persistent=False)
+        table = torch.empty(max_positions, head_dim)
+        if not table.is_meta:  # loading rebuilds it on the device; on the meta device arange imports torch._dynamo
+            table = self._table()
+        self.register_buffer("cos_sin", table, persistent=False)
 
     def _table(self, device=None) -> torch.Tensor:
         inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)

@@ -68,7 +68,10 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp, self.vocab_size = tp, cfg.vocab_size
-        self.embed_tokens = nn.Embedding(vocab_rows(cfg.vocab_size, tp)[1], cfg.hidden_size)
+        weight = torch.empty(vocab_rows(cfg.vocab_size, tp)[1], cfg.hidden_size)
+        if not weight.is_meta:  # on the meta device (loading) a random init imports torch._dynamo: 5 s of a start
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(*weight.shape, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, tp) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
