@@ -10,6 +10,10 @@ run eagerly: the adapters are forward hooks (service/model/lora.py).
 
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
+
+A step is planned on the host (plan: which graph, its inputs packed in numpy arrays, a StepPlan) and then executed
+(execute: copies, replay or eager forward, logits). Under tensor parallelism rank 0 plans, sends the plan to the
+other ranks (service.engine.tp_workers), and every rank executes it.
 """
 import logging
 from dataclasses import dataclass, field
