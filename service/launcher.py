@@ -38,14 +38,14 @@ def configure_logging(level: str) -> None:
                         force=True)
 
 
-def become(name: str, level: str, ps_name: str | None = None) -> None:
-    """First thing in a child: its name (ps_name in ps and top, when the name is too long for them), death with the
-    launcher, logging."""
+def become(name: str, level: str, ps_name: str | None = None, death_signal: int = signal.SIGTERM) -> None:
+    """First thing in a child: its name (ps_name in ps and top, when the name is too long for them), death with its
+    parent (by death_signal), logging."""
     multiprocessing.current_process().name = name
     if sys.platform == "linux":
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.prctl(15, (ps_name or name).encode()[:15], 0, 0, 0)  # PR_SET_NAME: the name ps and top show
-        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG: a front-end ends with the launcher
+        libc.prctl(1, death_signal, 0, 0, 0)  # PR_SET_PDEATHSIG: a front-end ends with the launcher
     configure_logging(level)
 
 

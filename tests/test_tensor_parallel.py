@@ -157,3 +157,18 @@ def test_a_killed_worker_fails_the_requests_and_the_service_exits_non_zero(tiny_
         assert service.process.wait(timeout=30) == 1
         assert time.monotonic() - start < 40
         assert "tensor-parallel worker" in service.log.read_text(errors="replace")
+
+
+def test_ctrl_c_drains_a_sharded_engine_like_any_other(tiny_llama):
+    """SIGINT to the whole process group (a terminal's Ctrl-C) reaches the workers too: they must outlive the drain,
+    not take their core down under the requests in flight."""
+    body = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 48, "ignore_eos": True}}
+    with service_process(model=str(tiny_llama), tensor_parallel_size=2) as service:
+        with httpx.stream("POST", f"{service.url}/generate_stream", json=body, timeout=60) as r:
+            events = sse_events(r)
+            json.loads(next(events))
+            os.killpg(service.process.pid, signal.SIGINT)
+            rest = [json.loads(e) for e in events]
+        assert rest[-1]["details"]["generated_tokens"] == 48
+        assert service.process.wait(timeout=30) == 0
+        assert "tensor-parallel worker" not in service.log.read_text(errors="replace")

@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -132,7 +133,11 @@ def worker_main(settings: Settings, model_dir: str, dtype: torch.dtype, device: 
                 size: int, init: str, address: str, lifeline, threads: int) -> None:
     from service.launcher import become
 
-    become(f"llm-tp-worker-{rank}", settings.log_level)
+    # Like the core, a worker outlives a signal to the whole process group (Ctrl-C) while the front-ends drain: it
+    # ends with rank 0 (its lifeline closes), or is killed with it, should it be waiting in a collective then.
+    become(f"llm-tp-worker-{rank}", settings.log_level, death_signal=signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     device = torch.device(device)
     if device.type == "cuda":
         device = torch.device("cuda", rank)
