@@ -121,21 +121,22 @@ def prompt_words(model_dir: str | None, prompt_len: int) -> tuple[list[str], int
 # -- the offline engine (run by the --offline-only subprocess) -------------------------------------------------
 
 @functools.cache
-def _llm(model_dir: str | None, device: str):
+def _llm(model_dir: str | None, device: str, tensor_parallel_size: int = 1):
     from service.engine.llm import LLM
 
     if device == "cpu":
-        return LLM(model_dir, device="cpu")
+        return LLM(model_dir, device="cpu", tensor_parallel_size=tensor_parallel_size)
     return LLM(model_dir, device="cuda", dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
-               gpu_memory_utilization=0.6, max_model_len=4096)  # as benchmarks/generate.py
+               gpu_memory_utilization=0.6, max_model_len=4096,  # as benchmarks/generate.py
+               tensor_parallel_size=tensor_parallel_size)
 
 
 def offline_reference(model_dir: str | None, batches: list[int], prompt_len: int, new_tokens: int,
-                      device: str = "cuda") -> dict[int, dict]:
+                      device: str = "cuda", tensor_parallel_size: int = 1) -> dict[int, dict]:
     """run_engine's numbers for each batch size: that many prompts of prompt_len random tokens, all at once."""
     from benchmarks.generate import run_engine
 
-    llm = _llm(model_dir, device)
+    llm = _llm(model_dir, device, tensor_parallel_size)
     vocab = sorted(set(range(len(llm.tokenizer))) - set(llm.tokenizer.all_special_ids))
     rng = random.Random(0)
 
@@ -146,7 +147,7 @@ def offline_reference(model_dir: str | None, batches: list[int], prompt_len: int
     return {batch: run_engine(llm, prompts(batch), [new_tokens] * batch) for batch in batches}
 
 
-def graph_step_ms_batch1(model_dir: str | None) -> float | None:
+def graph_step_ms_batch1(model_dir: str | None, tensor_parallel_size: int = 1) -> float | None:
     """GPU time of one replay of the engine's batch-1 decode CUDA graph, median of 200; None without CUDA."""
     import torch
 
@@ -154,7 +155,7 @@ def graph_step_ms_batch1(model_dir: str | None) -> float | None:
         return None
     from benchmarks.generate import run_engine
 
-    llm = _llm(model_dir, "cuda")
+    llm = _llm(model_dir, "cuda", tensor_parallel_size)
     # After one request decodes alone, the graph's inputs hold its last step: a replay repeats that step exactly
     # (the same K/V rewritten into the same slot).
     run_engine(llm, [list(range(1000, 1128))], [16])
@@ -178,14 +179,16 @@ def offline_main(args) -> None:
 
     model_dir = None if args.model == "default" else args.model
     start = time.perf_counter()
-    _llm(model_dir, args.device)
+    _llm(model_dir, args.device, args.tensor_parallel_size)
     startup = time.perf_counter() - start
-    batches = offline_reference(model_dir, args.levels, args.prompt_len, args.new_tokens, args.device)
+    batches = offline_reference(model_dir, args.levels, args.prompt_len, args.new_tokens, args.device,
+                                args.tensor_parallel_size)
     for batch, r in batches.items():
         print(f"offline batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s  step {r['decode_step_median_ms']:.2f} ms  "
               f"TTFT {r['ttft_median_ms']:.0f} ms", flush=True)
     cuda = args.device == "cuda"
-    result = {"batches": batches, "graph_step_ms_batch1": graph_step_ms_batch1(model_dir) if cuda else None,
+    tp = args.tensor_parallel_size
+    result = {"batches": batches, "graph_step_ms_batch1": graph_step_ms_batch1(model_dir, tp) if cuda else None,
               "engine_startup_s": startup, "gpu": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "triton": triton.__version__}
     args.json.write_text(json.dumps(result))
@@ -194,7 +197,8 @@ def offline_main(args) -> None:
 def run_offline(args, model_dir: str | None, json_path: Path, env: dict) -> dict:
     argv = [sys.executable, __file__, "--offline-only", "--json", str(json_path), "--device", args.device,
             "--model", model_dir or "default", "--levels", ",".join(map(str, args.levels)),
-            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens)]
+            "--prompt-len", str(args.prompt_len), "--new-tokens", str(args.new_tokens),
+            "--tensor-parallel-size", str(args.tensor_parallel_size)]
     subprocess.run(argv, cwd=ROOT, env=env, check=True, timeout=600)
     result = json.loads(json_path.read_text())
     result["batches"] = {int(b): r for b, r in result["batches"].items()}
@@ -266,6 +270,8 @@ def start_server(args, model_dir: str | None, log_path: Path, env: dict, cache_d
     argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--model", model_dir] if model_dir else []
     argv += ["--api-server-count", str(args.api_server_count)] if args.api_server_count else []
+    argv += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--data-parallel-size",
+             str(args.data_parallel_size)]
     if cache_dir is not None and cache_flag:
         argv += ["--compile-cache-dir", str(cache_dir)]
     elif cache_dir is not None:  # a server without the flag: point the compilers' own caches there
@@ -322,6 +328,10 @@ def parse_args(argv=None):
     p.add_argument("--loadgen-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="load-generator processes (at most one per closed-loop client; default cores / 2, <= 8)")
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes of the server (its flag)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="the server's and the offline engine's")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="the server's engine cores (the offline "
+                   "reference stays one engine: the ratio is then what DP adds over it). Cores sharing one GPU "
+                   "need LLM_GPU_MEMORY_UTILIZATION lowered in the environment")
     p.add_argument("--cpu-threads", type=int, help="OMP_NUM_THREADS of the offline engine and the server (default: "
                                                    "torch's, one per core)")
     p.add_argument("--offline-only", action="store_true", help=argparse.SUPPRESS)  # the offline subprocess
@@ -394,6 +404,7 @@ def run(args, tmp: Path, began: float) -> dict:
         "graph_step_ms_batch1": offline["graph_step_ms_batch1"],
         "device": args.device, "gpu": offline["gpu"], "torch": offline["torch"], "triton": offline["triton"],
         "git_commit": git_commit(), "model": description, "api_server_count": args.api_server_count,
+        "tensor_parallel_size": args.tensor_parallel_size, "data_parallel_size": args.data_parallel_size,
         "cpu_threads": args.cpu_threads, "prompt_tokens": prompt_tokens, "new_tokens": args.new_tokens,
         "warmup_s": args.warmup, "drain_s": args.drain,
         "offline_engine_startup_s": offline["engine_startup_s"], "notes": [], "skipped": []}
