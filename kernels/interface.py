@@ -79,9 +79,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out like q, plus lse [H, total_q] float32 (natural log) when return_lse."""
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _FlashAttnVarlen.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                                      float(scale), bool(causal), block_table, deterministic)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), float(scale), bool(causal),
+            block_table)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _FlashAttnVarlen.apply(*args, deterministic)
+    else:  # inference: no autograd node, whose bookkeeping costs more host time than the launch itself
+        out, lse = flash_attn_forward(*args)
     return (out, lse) if return_lse else out
+
+
+def _steps(batch: int, seqlen: int, device) -> torch.Tensor:
+    """cu_seqlens of `batch` sequences of `seqlen` tokens: one launch (an arange and a multiply were two)."""
+    if seqlen == 0:
+        return torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
@@ -93,11 +104,12 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
     seqlen_k = k.shape[1]
     if k.shape[0] != batch or v.shape[0] != batch:
         raise ValueError(f"batch sizes differ: q {batch}, k {k.shape[0]}, v {v.shape[0]}")
-    steps = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    cu_seqlens_q = _steps(batch, seqlen_q, q.device)
+    cu_seqlens_k = cu_seqlens_q if seqlen_k == seqlen_q else _steps(batch, seqlen_k, q.device)
     out, lse = flash_attn_varlen_func(q.reshape(batch * seqlen_q, nheads, -1),
                                       k.reshape(batch * seqlen_k, *k.shape[2:]),
                                       v.reshape(batch * seqlen_k, *v.shape[2:]),
-                                      steps * seqlen_q, steps * seqlen_k,
+                                      cu_seqlens_q, cu_seqlens_k,
                                       seqlen_q, seqlen_k, softmax_scale, causal, True, deterministic=deterministic)
     out = out.view(batch, seqlen_q, nheads, -1)
     if not return_lse:

@@ -1,0 +1,91 @@
+"""Host time of one attention call: what Python spends before the GPU has the work, per API layer, beside the
+GPU time of the same call and beside SDPA's own host time.
+
+Small and medium shapes (bf16, 16 heads of 128, causal), where the host time is a large part of the call: the
+public flash-attn-style API (`flash_attn_func`, fixed length; `flash_attn_varlen_func`) under inference and with
+inputs that need gradients (the autograd node), and the launcher the engine calls (`flash_attn_forward`, no
+validation or autograd). Host time: the median of 300 calls, each timed from its start to its return, the GPU kept
+busy behind them (no call waits for the GPU). GPU time: triton's do_bench of the launcher.
+
+python benchmarks/launch.py [--out DIR]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bar_chart import grouped_bars  # noqa: E402
+from kernels.interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
+from kernels.prefill import flash_attn_forward  # noqa: E402
+
+SHAPES = [(1, 128), (4, 512), (16, 1024)]  # (batch, seqlen)
+HEADS, HEAD_DIM, CALLS = 16, 128, 300
+
+
+def host_us(fn) -> float:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(CALLS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if len(times) % 50 == 0:
+            torch.cuda.synchronize()  # the launch queue never fills (a full queue would block a call)
+    torch.cuda.synchronize()
+    return 1e6 * sorted(times)[len(times) // 2]
+
+
+def measure(batch: int, seqlen: int) -> dict:
+    shape = (batch, seqlen, HEADS, HEAD_DIM)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    flat = [t.view(batch * seqlen, HEADS, HEAD_DIM) for t in (q, k, v)]
+    cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device="cuda")
+    scale = HEAD_DIM ** -0.5
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    calls = {
+        "flash_attn_func": lambda: flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func, grad": lambda: flash_attn_func(qg, kg, vg, causal=True),
+        "flash_attn_varlen_func": lambda: flash_attn_varlen_func(*flat, cu, cu, seqlen, seqlen, causal=True),
+        "launcher": lambda: flash_attn_forward(*flat, cu, cu, seqlen, seqlen, scale, True),
+        "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True),
+    }
+    row = {"batch": batch, "seqlen": seqlen}
+    with torch.inference_mode():
+        row |= {name: host_us(fn) for name, fn in calls.items() if "grad" not in name}
+    row["flash_attn_func, grad"] = host_us(calls["flash_attn_func, grad"])
+    with torch.inference_mode():
+        row["gpu_us"] = 1e3 * do_bench(calls["launcher"], warmup=25, rep=100)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [measure(b, n) for b, n in SHAPES]
+    names = [k for k in rows[0] if k not in ("batch", "seqlen")]
+    print("host us per call (median of 300); gpu_us: the launcher's GPU time")
+    print(f"{'batch x seqlen':>15} " + " ".join(f"{n:>22}" for n in names))
+    for r in rows:
+        print(f"{r['batch']:>6} x {r['seqlen']:<6} " + " ".join(f"{r[n]:22.1f}" for n in names))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "commit": os.environ.get("BENCH_COMMIT"), "heads": HEADS, "head_dim": HEAD_DIM, "rows": rows}
+    (out / "launch.json").write_text(json.dumps(result, indent=2))
+    labels = [f"{r['batch']}x{r['seqlen']}" for r in rows]
+    grouped_bars(out / "launch.png", labels, {n: [r[n] for r in rows] for n in names}, "microseconds",
+                 f"Host time of one attention call, beside its GPU time ({result['gpu']})", figsize=(10, 4))
+
+
+if __name__ == "__main__":
+    main()
