@@ -270,8 +270,9 @@ def start_server(args, model_dir: str | None, log_path: Path, env: dict, cache_d
     argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--model", model_dir] if model_dir else []
     argv += ["--api-server-count", str(args.api_server_count)] if args.api_server_count else []
-    argv += ["--tensor-parallel-size", str(args.tensor_parallel_size), "--data-parallel-size",
-             str(args.data_parallel_size)]
+    for name in ("tensor_parallel_size", "data_parallel_size"):  # soak.py's args have neither
+        if getattr(args, name, 1) > 1:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     if cache_dir is not None and cache_flag:
         argv += ["--compile-cache-dir", str(cache_dir)]
     elif cache_dir is not None:  # a server without the flag: point the compilers' own caches there

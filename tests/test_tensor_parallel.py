@@ -127,12 +127,14 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_model("llama", tmp_path_factory.mktemp("http-llama"))
 
 
-def test_the_http_api_serves_the_same_greedy_tokens_from_two_ranks(tiny_llama):
+@pytest.mark.parametrize("kv_heads", [2, 1])  # split over the ranks; fewer than the ranks, replicated
+def test_the_http_api_serves_the_same_greedy_tokens_from_two_ranks(tiny_llama, tmp_path, kv_heads):
+    model = tiny_llama if kv_heads == 2 else make_tiny_model("llama", tmp_path / "m", num_key_value_heads=kv_heads)
     body = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 12, "ignore_eos": True,
                                                                 "details": True}}
     tokens = {}
     for tp in (1, 2):
-        with service_process(model=str(tiny_llama), tensor_parallel_size=tp) as service:
+        with service_process(model=str(model), tensor_parallel_size=tp) as service:
             if tp == 2:
                 assert "llm-tp-worker-1" in descendants(service.process.pid)
             r = httpx.post(f"{service.url}/generate", json=body, timeout=60)
