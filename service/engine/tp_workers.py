@@ -17,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
 import signal
 import socket
 import tempfile
@@ -96,9 +97,10 @@ class Workers:
         lifeline.close()
         log.info("tensor parallelism: %d ranks over %s, workers %s", size, _backend(device),
                  [p.pid for p in self.processes])
+        # Watched from now on: a worker that fails to start would leave the group's rendezvous waiting forever.
+        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
         dist.init_process_group(_backend(device), init_method=init, rank=0, world_size=size,
                                 device_id=torch.device("cuda", device.index or 0) if device.type == "cuda" else None)
-        threading.Thread(target=self._watch, name="tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
         multiprocessing.connection.wait([p.sentinel for p in self.processes])
@@ -106,6 +108,7 @@ class Workers:
             return
         dead = [f"{p.name} (exit code {p.exitcode})" for p in self.processes if p.exitcode is not None]
         log.critical("tensor-parallel worker %s died: the model is incomplete; ending this engine core", dead)
+        shutil.rmtree(self._dir, ignore_errors=True)
         logging.shutdown()
         os._exit(1)
 
@@ -125,6 +128,7 @@ class Workers:
         for sock in self.sockets:
             sock.close()
         self.context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
         if dist.is_initialized():
             dist.destroy_process_group()
 
