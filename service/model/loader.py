@@ -11,7 +11,7 @@ from tqdm import tqdm
 from service.config import local_model_dir
 from service.model.config import ModelConfig
 from service.model.llama import LlamaForCausalLM
-from service.model.parallel import SINGLE, TensorParallel, check_divisible, shard_range
+from service.model.parallel import SINGLE, VOCAB_SPLIT, TensorParallel, check_divisible, shard_range
 
 log = logging.getLogger(__name__)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -69,7 +69,7 @@ def load_model(model_dir, dtype: torch.dtype, device, tp: TensorParallel = SINGL
                         continue
                     raise ValueError(f"unexpected tensor {name!r} in {shard.name}")
                 tensor, target = _read(f, name, cfg, tp), params[name]
-                if tensor.shape[0] < target.shape[0]:  # a padded vocabulary slice
+                if tp.size > 1 and name.split(".")[-2] in VOCAB_SPLIT:  # the last rank's slice is padded
                     target = target[:tensor.shape[0]]
                 if tensor.shape != target.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} "

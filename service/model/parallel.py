@@ -61,6 +61,7 @@ def vocab_rows(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
 _SPLITS = {"q_proj": (0, "q"), "k_proj": (0, "kv"), "v_proj": (0, "kv"), "o_proj": (1, "q"),
            "gate_proj": (0, "mlp"), "up_proj": (0, "mlp"), "down_proj": (1, "mlp"),
            "embed_tokens": (0, "vocab"), "lm_head": (0, "vocab")}
+VOCAB_SPLIT = {name for name, (_, by) in _SPLITS.items() if by == "vocab"}
 
 
 def shard_range(module: str, cfg, tp: TensorParallel) -> tuple[int, int, int] | None:
