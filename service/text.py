@@ -1,5 +1,6 @@
 """Text: loading a model's tokenizer, and incremental detokenization with stop strings. Runs where text is made:
-in the HTTP front-ends and the offline LLM (the engine core only loads the tokenizer for its EOS ids)."""
+in the HTTP front-ends and the offline LLM (the engine core reads its EOS id from the tokenizer's files, and loads
+the tokenizer only for grammars)."""
 import json
 import re
 from pathlib import Path
@@ -25,11 +26,9 @@ def eos_token_id(model_dir) -> int | None:
     where the files do not say."""
     model_dir = Path(model_dir)
     try:
-        eos = json.loads((model_dir / "tokenizer_config.json").read_text()).get("eos_token")
+        eos = json.loads((model_dir / "tokenizer_config.json").read_text())["eos_token"]  # else named elsewhere
         if isinstance(eos, dict):
-            eos = eos.get("content")
-        if eos is None:
-            return None
+            eos = eos["content"]
         spec = json.loads((model_dir / "tokenizer.json").read_text())
         added = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
         return added[eos] if eos in added else spec["model"]["vocab"][eos]
