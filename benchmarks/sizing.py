@@ -19,6 +19,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kvcache import block_bytes, num_blocks_for_bytes  # noqa: E402
 from service.config import Settings  # noqa: E402
+from service.model.config import ModelConfig  # noqa: E402
+from service.model.parallel import TensorParallel, check_divisible, local_heads  # noqa: E402
 
 GIB = 2**30
 DTYPE = torch.bfloat16
@@ -57,12 +59,10 @@ MODELS = {
 
 def local_kv_heads(model: dict, tp: int) -> int:
     """KV heads one of tp ranks holds: its share, or one replicated head when there are more ranks than KV heads
-    (each rank needs the KV head of its query heads). Refuses the splits the engine refuses."""
-    heads, kv = model["num_attention_heads"], model["num_key_value_heads"]
-    if heads % tp or (kv % tp and tp % kv) or model["intermediate_size"] % tp:
-        raise ValueError(f"TP {tp} cannot split {heads} query heads, {kv} KV heads, "
-                         f"MLP width {model['intermediate_size']}")
-    return max(1, kv // tp)
+    (each rank needs the KV head of its query heads). Refuses the splits the engine refuses (the engine's rules)."""
+    cfg = ModelConfig.from_dict(model)
+    check_divisible(cfg, tp)
+    return local_heads(cfg, TensorParallel(0, tp))[1]
 
 
 def param_count(model: dict, tp: int = 1) -> int:
@@ -307,7 +307,7 @@ def profile(layers: int = 8) -> None:
     layer's plus the logits (on the H100, 2, 8 and 16 layers read 0.94, 0.94, 0.91 GiB for the 8B, 1.81 for the
     70B)."""
     from service.engine.model_runner import ModelRunner
-    from service.model import LlamaForCausalLM, ModelConfig
+    from service.model import LlamaForCausalLM
 
     print(f"GPU total: {torch.cuda.mem_get_info()[1]:,} bytes ({torch.cuda.get_device_name()})")
     for name, full in MODELS.items():

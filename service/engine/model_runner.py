@@ -171,13 +171,19 @@ class ModelRunner:
                 write_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Token ids, positions, attention metadata and the rows to sample of an eager start-up step (warm-up,
         profiling); write_cache=False leaves the cache untouched (slots -1)."""
-        n = len(input_ids)
-        flat, packed, table = self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-n // 16) * 16, len(seqlens_q),
-                                         write_cache=write_cache)
-        plan = StepPlan(EAGER, (0, 0), n, len(seqlens_q), 0, 0, [], None, max_seqlen_q=max(seqlens_q),
-                        max_seqlen_k=max(seqlens_k), decode=all(q == 1 for q in seqlens_q),
-                        tiles=int((packed[4] >= 0).sum()) if 1 in seqlens_q else -1)
-        return self._eager_inputs(plan, flat, packed, table, None)
+        plan = StepPlan(EAGER, (0, 0), len(input_ids), len(seqlens_q), 0, 0, [], None)
+        self._plan_eager(plan, input_ids, seqlens_q, seqlens_k, tables, write_cache=write_cache)
+        return self._eager_inputs(plan, *plan.arrays, None)
+
+    def _plan_eager(self, plan: StepPlan, input_ids: list[int], seqlens_q: list[int], seqlens_k: list[int],
+                    tables: list[list[int]], sources: np.ndarray | None = None, sample_rows: list[int] = (),
+                    write_cache: bool = True) -> None:
+        """Fills in an eager step's packed inputs (_pack, at the step's own size) and what its metadata needs."""
+        plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, tables, -(-len(input_ids) // 16) * 16,
+                                      len(seqlens_q), sources, sample_rows, write_cache))
+        plan.max_seqlen_q, plan.max_seqlen_k = max(seqlens_q), max(seqlens_k)
+        plan.decode = all(q == 1 for q in seqlens_q)
+        plan.tiles = int((plan.arrays[1][4] >= 0).sum()) if 1 in seqlens_q else -1
 
     def _eager_inputs(self, plan: StepPlan, flat: np.ndarray, packed: np.ndarray, table: np.ndarray,
                       pending: torch.Tensor | None
@@ -257,11 +263,7 @@ class ModelRunner:
                                           self.prefill_static["tokens"].shape[1], self.prefill_static["block_table"]
                                           .shape[0], sources, sample_rows, num_tiles=self._num_tiles))
             return plan, sample_index
-        plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, batch.block_tables,
-                                      -(-len(input_ids) // 16) * 16, len(batch.seqs), sources, sample_rows))
-        plan.max_seqlen_q, plan.max_seqlen_k, plan.decode = max(seqlens_q), max(seqlens_k), all(
-            q == 1 for q in seqlens_q)
-        plan.tiles = int((plan.arrays[1][4] >= 0).sum()) if 1 in seqlens_q else -1
+        self._plan_eager(plan, input_ids, seqlens_q, seqlens_k, batch.block_tables, sources, sample_rows)
         if adapters:
             plan.adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
         return plan, sample_index

@@ -19,7 +19,6 @@ import multiprocessing.connection
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 from pathlib import Path
@@ -57,12 +56,6 @@ def decode_plan(frames: list) -> StepPlan:
     return plan
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
@@ -80,7 +73,7 @@ class Workers:
         self.sockets = []
         spawn = multiprocessing.get_context("spawn")
         lifeline, self._keep_alive = spawn.Pipe(duplex=False)
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"file://{self._dir}/rendezvous"  # the ranks meet in a file: no port to pick and lose to a race
         self.processes = []
         for rank in range(1, size):
             address = f"ipc://{self._dir}/rank-{rank}.sock"

@@ -109,5 +109,7 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if _use_kernels(gate):
             from kernels.elementwise import silu_mul
-            return all_reduce(self.down_proj(silu_mul(gate, up)), self.tp)
-        return all_reduce(self.down_proj(silu_mul_ref(gate, up)), self.tp)
+            hidden = silu_mul(gate, up)
+        else:
+            hidden = silu_mul_ref(gate, up)
+        return all_reduce(self.down_proj(hidden), self.tp)
