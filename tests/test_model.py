@@ -137,3 +137,17 @@ def test_triton_backend_matches_reference(monkeypatch, tmp_path):
     assert seqs_triton == seqs
     for b in range(len(prompts)):
         assert rel_err(logits[b], expected[b]) < 1e-4
+
+
+def test_a_checkpoint_tensor_of_the_wrong_shape_is_refused(tmp_path):
+    """Fewer rows than the parameter (a truncated q_proj, a smaller vocabulary) fail the load by name, whatever
+    the dimension: only a tensor-parallel rank's padded vocabulary slice may be shorter."""
+    from safetensors.torch import load_file, save_file
+
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        path = make_tiny_model("llama", tmp_path / name)
+        tensors = load_file(path / "model.safetensors")
+        tensors[name] = tensors[name][:-1].contiguous()
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=f"{name}: checkpoint shape"):
+            load_model(path, torch.float32, "cpu")
