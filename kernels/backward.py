@@ -233,7 +233,7 @@ def flash_attn_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     do, lse = do.contiguous(), lse.contiguous()
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    use_tma = tma_pays(head_dim, max(max_seqlen_q, max_seqlen_k)) and tma_ok(q, k, v, do)
+    use_tma = tma_pays(head_dim, max(max_seqlen_q, max_seqlen_k), "backward") and tma_ok(q, k, v, do)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, IS_CAUSAL=bool(causal), DOT_PRECISION=precision,
                   USE_TMA=use_tma)
 

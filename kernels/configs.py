@@ -52,12 +52,16 @@ def prune_prefill_configs(configs, named_args, **kwargs):
 
 # ---------------------------------------------------------------------------------------------------------
 # Where the forward and backward stream K/V (or Q/dO) tiles through TMA (kernels/tma.py). On the H100 it paid for
-# head_dim 128 from 2048 tokens on (causal forward +12..15%, backward +0..5%); elsewhere it lost (head_dim 128
-# causal forward at 1024 tokens: 167 against 268 TFLOP/s; head_dim 64 backward: about 10%), so those shapes keep
-# pointer loads. The interpreter takes TMA wherever it can, so CI tests that path too.
+# head_dim 128: the causal forward from 512 tokens on (GPU time at 512 / 1024 / 2048: 236 / 305 / 371 TFLOP/s
+# against 194 / 282 / 348 by pointers; an earlier reading that it lost at 1024 was the descriptors' host time,
+# before kernels/launches.py), the backward from 2048 (+0..5%). Elsewhere it lost (head_dim 64 backward: about
+# 10%), so those shapes keep pointer loads. The interpreter takes TMA wherever it can, so CI tests that path too.
 # ---------------------------------------------------------------------------------------------------------
-def tma_pays(head_dim: int, max_seqlen: int) -> bool:
-    return INTERPRET or (head_dim == 128 and max_seqlen >= 2048)
+TMA_FROM_TOKENS = {"forward": 512, "backward": 2048}
+
+
+def tma_pays(head_dim: int, max_seqlen: int, pass_: str) -> bool:
+    return INTERPRET or (head_dim == 128 and max_seqlen >= TMA_FROM_TOKENS[pass_])
 
 
 # ---------------------------------------------------------------------------------------------------------

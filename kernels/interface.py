@@ -14,9 +14,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table):
     tensors = [q, k, v, cu_seqlens_q, cu_seqlens_k] + ([block_table] if block_table is not None else [])
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         raise ValueError("q, k, v, cu_seqlens and block_table must be torch tensors")
-    if len({t.device for t in tensors}) != 1:
+    if len({t.get_device() for t in tensors}) != 1:  # an int per tensor (-1: CPU): cheaper than t.device
         raise ValueError(f"all inputs must be on one device, got {sorted({str(t.device) for t in tensors})}")
-    if q.device.type != "cuda" and not _INTERPRET:
+    if not q.is_cuda and not _INTERPRET:
         raise ValueError(f"inputs must be CUDA tensors (got {q.device}); CPU needs TRITON_INTERPRET=1")
     if q.dtype not in _DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype of {_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -88,11 +88,23 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return (out, lse) if return_lse else out
 
 
+_STEPS: dict[tuple, torch.Tensor] = {}
+_STEPS_KEPT = 64
+
+
 def _steps(batch: int, seqlen: int, device) -> torch.Tensor:
-    """cu_seqlens of `batch` sequences of `seqlen` tokens: one launch (an arange and a multiply were two)."""
-    if seqlen == 0:
-        return torch.zeros(batch + 1, dtype=torch.int32, device=device)
-    return torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    """cu_seqlens of `batch` sequences of `seqlen` tokens, kept per shape: a launch per call was host time.
+    Kept tensors are never dropped (a captured CUDA graph may read one), so only the first _STEPS_KEPT shapes
+    are kept, and none made while a graph is captured (they would live in the graph's memory pool)."""
+    key = (batch, seqlen, device)
+    cu = _STEPS.get(key)
+    if cu is None:
+        with torch.inference_mode(False):  # an inference tensor could not be saved for a later backward
+            cu = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device) if seqlen else \
+                torch.zeros(batch + 1, dtype=torch.int32, device=device)
+        if len(_STEPS) < _STEPS_KEPT and not (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _STEPS[key] = cu
+    return cu
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):

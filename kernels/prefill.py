@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import PREFILL_CONFIGS, PREFILL_TILE_M, prune_prefill_configs, tma_pays
+from kernels.launches import CompiledLaunches, aligned
 from kernels.tma import row_descriptor, tma_ok
 
 
@@ -185,6 +186,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, desc_k, desc_v, out_ptr, lse_ptr, cu_se
     tl.store(lse_ptr + head.to(tl.int64) * total_q + q_rows, lse, mask=m_ok)
 
 
+_LAUNCHES = CompiledLaunches(_prefill_kernel)
+
+
+def _next_pow2(n: int) -> int:  # triton.next_power_of_2 is a constexpr function: microseconds a call on this path
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
                        block_table=None, out=None, q_tiles=None):
     """Packed varlen forward. q [total_q, H, d]; k/v [total_k, H_k, d], or paged caches
@@ -193,7 +201,6 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     are computed; the rows (and lse) of one-row sequences are left as they are. Inputs are assumed validated by
     kernels.interface."""
     total_q, nheads, head_dim = q.shape
-    nheads_k = k.shape[-2]
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
@@ -202,35 +209,36 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         return out.zero_(), lse
     paged = block_table is not None
     if paged:
-        stride_k_blk, stride_v_blk, stride_bt, page_size = k.stride(0), v.stride(0), block_table.stride(0), k.shape[1]
-        stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(1), k.stride(2), v.stride(1), v.stride(2)
+        strides_k = (k.stride(1), k.stride(2), k.stride(0))  # token, head, cache block
+        strides_v = (v.stride(1), v.stride(2), v.stride(0))
+        stride_bt, page_size = block_table.stride(0), k.shape[1]
     else:
-        stride_k_blk = stride_v_blk = stride_bt = 0
-        page_size = 16
+        strides_k, strides_v = (k.stride(0), k.stride(1), 0), (v.stride(0), v.stride(1), 0)
+        stride_bt, page_size = 0, 16
         block_table = cu_seqlens_k  # never read; any int32 tensor pointer will do
-        stride_k_tok, stride_k_h, stride_v_tok, stride_v_h = k.stride(0), k.stride(1), v.stride(0), v.stride(1)
-    seqlen_bucket = triton.next_power_of_2(max_seqlen_q)
-    # The tile height is the autotuned BLOCK_N: the configs' pre-hook sets it before each launch.
-    use_tma = not paged and tma_pays(head_dim, max_seqlen_k) and tma_ok(k, v)
-    desc_k, desc_v = (row_descriptor(k, 16), row_descriptor(v, 16)) if use_tma else (k, v)
-
     tiled = q_tiles is not None
+    tiles, stride_tiles = (q_tiles, q_tiles.stride(0)) if tiled else (cu_seqlens_q, 0)
+    use_tma = not paged and tma_pays(head_dim, max_seqlen_k, "forward") and tma_ok(k, v)
+    ints = (_next_pow2(max_seqlen_q), nheads // k.shape[-2], q.stride(0), q.stride(1), *strides_k,
+            *strides_v, out.stride(0), out.stride(1), stride_bt)  # seqlen_bucket, group_size, strides
+    constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, _next_pow2(head_dim)),
+                      IS_CAUSAL=bool(causal), PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, TILED=tiled,
+                      DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    # total_q and stride_tiles are not specialized on (only typed: i32 below 2**31)
+    key = (q.get_device(), q.dtype, ints, total_q < 2**31, stride_tiles < 2**31,
+           aligned(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table, tiles), *constexprs.values())
+    config = _LAUNCHES.config(key)
+    desc_k = desc_v = None
+    if use_tma:  # a known config gets its tile now; a new key's tile is set by the configs' pre-hook
+        rows = config.kwargs["BLOCK_N"] if config is not None else 16
+        desc_k, desc_v = row_descriptor(k, rows), row_descriptor(v, rows)
 
     def grid(meta):
         if tiled:
-            return q_tiles.shape[1], nheads, 1
-        return triton.cdiv(max_seqlen_q, meta["BLOCK_M"]), nheads, batch
+            return tiles.shape[1], nheads, 1
+        return -(-max_seqlen_q // meta["BLOCK_M"]), nheads, batch
 
-    _prefill_kernel[grid](
-        q, k, v, desc_k, desc_v, out, lse, cu_seqlens_q, cu_seqlens_k, block_table,
-        q_tiles if tiled else cu_seqlens_q, q_tiles.stride(0) if tiled else 0,
-        softmax_scale * math.log2(math.e), total_q, seqlen_bucket, nheads // nheads_k,
-        q.stride(0), q.stride(1), stride_k_tok, stride_k_h, stride_k_blk,
-        stride_v_tok, stride_v_h, stride_v_blk, out.stride(0), out.stride(1), stride_bt,
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), IS_CAUSAL=bool(causal),
-        PAGED=paged, PAGE_SIZE=page_size, USE_TMA=use_tma, TILED=tiled,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    args = (q, k, v, desc_k if use_tma else k, desc_v if use_tma else v, out, lse, cu_seqlens_q, cu_seqlens_k,
+            block_table, tiles, stride_tiles, softmax_scale * math.log2(math.e), total_q, *ints)
+    _LAUNCHES.launch(key, grid, args, constexprs)
     return out, lse
-
-

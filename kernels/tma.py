@@ -2,6 +2,8 @@
 rows of a q/k/v-shaped tensor, so a kernel fetches one head's [block_rows, head_dim] tile with a single bulk copy
 (no per-thread address math, no registers spent on pointers). Rows past the tensor's end read as zeros; rows
 past a sequence's end belong to the next sequence and are masked by the kernels as before."""
+import functools
+
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -20,7 +22,12 @@ def tma_ok(*tensors) -> bool:
                 or t.data_ptr() % 16:
             return False
     first = tensors[0]  # the callers' inputs share one device (kernels.interface checks it)
-    return not first.is_cuda or torch.cuda.get_device_capability(first.device)[0] >= 9
+    return not first.is_cuda or _has_copy_engine(first.get_device())
+
+
+@functools.cache
+def _has_copy_engine(device: int) -> bool:  # asked on every launch: the device query costs microseconds
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def row_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:

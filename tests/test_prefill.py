@@ -200,3 +200,30 @@ def test_gpu_autotuning_results_survive_a_restart(tmp_path):
     _prefill_kernel.cache.clear()
     assert tuning.load(tmp_path) == len(tuned) and _prefill_kernel.cache == tuned
     assert tuning.load(tmp_path / "elsewhere") == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen", [1000, 2048])  # pointer loads; TMA descriptors (a tile set per config)
+def test_gpu_repeated_calls_launch_the_kept_program(seqlen):
+    """The second call of a signature skips Triton's launch path (kernels/launches.py) and must compute the same
+    as the first on fresh data; a misaligned pointer is a new signature (Triton specializes on alignment)."""
+    from kernels.prefill import _LAUNCHES
+
+    def call(q, k, v):
+        cu = cu_seqlens([seqlen, seqlen], "cuda")
+        out = flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+        for b in range(2):
+            rows = slice(b * seqlen, (b + 1) * seqlen)
+            ref, _ = attention_ref(q[rows, :2].double(), k[rows, :2].double(), v[rows, :2].double(), causal=True)
+            assert rel_err(out[rows, :2], ref) < 1e-2
+
+    def fresh(offset=0):
+        flat = torch.randn(3 * 2 * seqlen * 16 * 128 + offset, device="cuda", dtype=torch.bfloat16)[offset:]
+        return flat.view(3, 2 * seqlen, 16, 128).unbind(0)
+
+    call(*fresh())
+    kept = len(_LAUNCHES.programs)
+    call(*fresh())
+    assert len(_LAUNCHES.programs) == kept
+    call(*fresh(offset=1))  # q, k, v 2 bytes past a 16-byte boundary
+    assert len(_LAUNCHES.programs) == kept + 1
