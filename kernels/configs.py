@@ -65,6 +65,20 @@ def tma_pays(head_dim: int, max_seqlen: int, pass_: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# Where the unpaged forward runs the warp-specialized Gluon kernel (kernels/hopper_prefill.py; sm_90 and Triton 3.6
+# only, its `supported` decides) instead of the Triton one: the fewest tokens of the longest query sequence, by
+# (head_dim, causal). H100, bf16, 16k tokens per batch, TFLOP/s Gluon against Triton: hd128 causal 203 / 229 at
+# 512, 333 / 334 at 1024, 458 / 388 at 2048; hd128 full 575 / 422 at 1024; hd64 causal 319 / 342 at 2048,
+# 374 / 377 at 4096, 444 / 375 at 16384; hd64 full 434 / 402 at 2048.
+# ---------------------------------------------------------------------------------------------------------
+HOPPER_FROM_TOKENS = {(128, True): 2048, (128, False): 1024, (64, True): 8192, (64, False): 2048}
+
+
+def hopper_pays(head_dim: int, causal: bool, max_seqlen: int) -> bool:
+    return not INTERPRET and max_seqlen >= HOPPER_FROM_TOKENS.get((head_dim, bool(causal)), float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------------------
 # Decode, split-KV (kernels/decode.py)
 # Memory-bound: a large KV tile per iteration (gathered row by row through the block table, so independent of
 # the cache block size) with a deep pipeline keeps enough bytes in flight. head_dim 256 halves BLOCK_N.

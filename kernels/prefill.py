@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import PREFILL_CONFIGS, PREFILL_TILE_M, prune_prefill_configs, tma_pays
+from kernels import hopper_prefill
+from kernels.configs import PREFILL_CONFIGS, PREFILL_TILE_M, hopper_pays, prune_prefill_configs, tma_pays
 from kernels.launches import CompiledLaunches, aligned
 from kernels.tma import row_descriptor, tma_ok
 
@@ -199,15 +200,21 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     [num_blocks, block_size, H_k, d] with block_table. Returns (out like q, lse [H, total_q] float32).
     out: written in place when given. q_tiles (multi_row_tiles on the device): only the rows of those tiles
     are computed; the rows (and lse) of one-row sequences are left as they are. Inputs are assumed validated by
-    kernels.interface."""
+    kernels.interface. Unpaged whole batches of long sequences go to kernels.hopper_prefill on Hopper
+    (kernels.configs.hopper_pays)."""
     total_q, nheads, head_dim = q.shape
+    unpaged_whole = block_table is None and q_tiles is None
+    if unpaged_whole and softmax_scale > 0 and hopper_pays(head_dim, causal, max_seqlen_q) and \
+            hopper_prefill.supported(q, k, v):  # the warp-specialized Gluon kernel, on sm_90
+        return hopper_prefill.hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             softmax_scale, causal, out=out)
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
     if total_q == 0 or batch == 0 or max_seqlen_q == 0:
         lse.fill_(float("-inf"))
         return out.zero_(), lse
-    paged = block_table is not None
+    paged, tiled = block_table is not None, q_tiles is not None
     if paged:
         strides_k = (k.stride(1), k.stride(2), k.stride(0))  # token, head, cache block
         strides_v = (v.stride(1), v.stride(2), v.stride(0))
@@ -216,7 +223,6 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
         strides_k, strides_v = (k.stride(0), k.stride(1), 0), (v.stride(0), v.stride(1), 0)
         stride_bt, page_size = 0, 16
         block_table = cu_seqlens_k  # never read; any int32 tensor pointer will do
-    tiled = q_tiles is not None
     tiles, stride_tiles = (q_tiles, q_tiles.stride(0)) if tiled else (cu_seqlens_q, 0)
     use_tma = not paged and tma_pays(head_dim, max_seqlen_k, "forward") and tma_ok(k, v)
     ints = (_next_pow2(max_seqlen_q), nheads // k.shape[-2], q.stride(0), q.stride(1), *strides_k,

@@ -203,7 +203,7 @@ def test_gpu_autotuning_results_survive_a_restart(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen", [1000, 2048])  # pointer loads; TMA descriptors (a tile set per config)
+@pytest.mark.parametrize("seqlen", [300, 1024])  # pointer loads; TMA descriptors (a tile set per config)
 def test_gpu_repeated_calls_launch_the_kept_program(seqlen):
     """The second call of a signature skips Triton's launch path (kernels/launches.py) and must compute the same
     as the first on fresh data; a misaligned pointer is a new signature (Triton specializes on alignment)."""

@@ -1,0 +1,99 @@
+"""The Gluon warp-specialized Hopper forward (kernels/hopper_prefill.py) against the float32 reference. These need
+an sm_90 GPU with Triton 3.6; elsewhere `supported` says False and the tests skip (CI only imports the module)."""
+import pytest
+import torch
+
+from kernels import hopper_prefill
+from kernels.reference import varlen_attention_ref
+from tests.helpers import cu_seqlens, rel_err
+
+TOL = 1e-2
+
+
+def _inputs(lens_q, lens_k, nheads, nheads_k, head_dim, dtype):
+    q = torch.randn(sum(lens_q), nheads, head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(max(sum(lens_k), 1), nheads_k, head_dim, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    return q, k, v, cu_seqlens(lens_q, "cuda"), cu_seqlens(lens_k, "cuda")
+
+
+def _check(lens_q, lens_k, nheads, nheads_k, head_dim, causal, dtype=torch.bfloat16, **config):
+    q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, nheads, nheads_k, head_dim, dtype)
+    if not hopper_prefill.supported(q, k, v):
+        pytest.skip("needs an sm_90 GPU and Triton 3.6")
+    scale = head_dim ** -0.5
+    out, lse = hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal,
+                                             config=config or None)
+    ref, ref_lse = varlen_attention_ref(q.float(), k.float(), v.float(), cu_q, cu_k, scale, causal)
+    assert out.dtype == dtype and out.shape == q.shape and lse.shape == (nheads, q.shape[0])
+    assert rel_err(out, ref) < TOL
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "-inf positions of lse differ"
+    assert (lse[~finite] == float("-inf")).all()
+    assert (out.transpose(0, 1)[~finite] == 0).all(), "rows that see no key must be 0"
+    if finite.any():
+        assert rel_err(lse[finite], ref_lse[finite]) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_gqa_ragged(causal, head_dim, dtype):
+    # Lengths off the 128-row program tile and the 128-key block, GQA 4:1.
+    lens = [1, 17, 130, 257, 1000]
+    _check(lens, lens, 8, 2, head_dim, causal, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlen_q_differs_from_k(causal, head_dim):
+    # Chunked prefill (q shorter than k), q longer than k (causal rows that see no key), and an empty k.
+    lens_q = [5, 100, 300, 64, 200, 7]
+    lens_k = [40, 30, 700, 64, 0, 129]
+    _check(lens_q, lens_k, 4, 1, head_dim, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [{"STAGES": 3, "PINGPONG": False}, {"STAGES": 3, "PINGPONG": True},
+                                    {"PINGPONG": False}, {"PERSISTENT": False}, {"TMA_STORE": False}])
+def test_configs(config):
+    # Every knob of the launcher's config; the persistent programs each run several tiles here.
+    lens = [129, 640, 383]
+    _check(lens, [n + 50 for n in lens], 4, 2, 128, True, **config)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_real_size_bf16(causal):
+    _check([2048, 2048], [2048, 2048], 16, 16, 128, causal)
+
+
+@pytest.mark.gpu
+def test_out_in_place_and_unsupported():
+    q, k, v, cu_q, cu_k = _inputs([70, 33], [70, 33], 4, 4, 128, torch.bfloat16)
+    if not hopper_prefill.supported(q, k, v):
+        pytest.skip("needs an sm_90 GPU and Triton 3.6")
+    out = torch.full_like(q, float("nan"))
+    got, _ = hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, 70, 70, 0.1, True, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(out).all()
+    # An out the copy engine cannot address (heads not packed) is written by plain stores.
+    strided = torch.full((q.shape[0], 4, 256), float("nan"), device="cuda", dtype=q.dtype)[..., :128]
+    hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, 70, 70, 0.1, True, out=strided)
+    torch.testing.assert_close(strided, out, atol=0, rtol=0)
+    assert not hopper_prefill.supported(q.float(), k.float(), v.float())
+    assert not hopper_prefill.supported(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
+    assert not hopper_prefill.supported(q.cpu(), k.cpu(), v.cpu())
+
+
+@pytest.mark.parametrize("num_m_tiles, num_tiles, causal, persistent", [
+    (16, 2048, True, True),      # hd128 causal N=2048 on 132 SMs: each program cycles through all its row blocks
+    (64, 2048, True, False),     # N=8192: 15 tiles a program, a cycle of 16 row blocks: one program per tile
+    (128, 2048, True, False),
+    (128, 2048, False, True),    # full attention: every tile costs the same
+    (4, 100, True, False),       # fewer tiles than SMs
+])
+def test_grid_size(num_m_tiles, num_tiles, causal, persistent):
+    grid = hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, 132)
+    assert grid == (132 if persistent else num_tiles)
