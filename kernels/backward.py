@@ -10,7 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import BACKWARD_DKDV, BACKWARD_DQ, tma_pays
+from kernels import hopper
+from kernels.configs import BACKWARD_DKDV, BACKWARD_DQ, hopper_pays, tma_pays
+from kernels.hopper_backward import hopper_backward
 from kernels.prefill import query_block_keys, sequence_span
 from kernels.tma import row_descriptor, tma_ok
 
@@ -216,6 +218,16 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, desc_k, desc_v, lse_ptr, delta_ptr, 
              (dq * softmax_scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
 
 
+def row_deltas(out, do):
+    """delta [H, total_q] = rowsum(dO * O) in float32: the softmax's gradient term of every query row."""
+    total_q, nheads, head_dim = out.shape
+    delta = torch.empty((nheads, total_q), dtype=torch.float32, device=out.device)
+    _preprocess_kernel[(triton.cdiv(total_q, 64), nheads)](
+        out, do, delta, total_q, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
+        HEAD_DIM=head_dim, HEAD_DIM_PADDED=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=64)
+    return delta
+
+
 def _config(table, head_dim_padded):
     return table[min(d for d in table if d >= head_dim_padded)]
 
@@ -229,19 +241,18 @@ def flash_attn_backward(do, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_s
     batch = cu_seqlens_q.numel() - 1
     if total_q == 0 or batch == 0 or max_seqlen_q == 0 or max_seqlen_k == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every row is written
     do, lse = do.contiguous(), lse.contiguous()
+    delta = row_deltas(out, do)
+    if softmax_scale > 0 and hopper_pays("backward", head_dim, causal, max(max_seqlen_q, max_seqlen_k)) and \
+            hopper.supported(q, k, v, do):  # the warp-specialized Gluon kernels, on sm_90
+        return hopper_backward(do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               softmax_scale, causal)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # every row is written
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     use_tma = tma_pays(head_dim, max(max_seqlen_q, max_seqlen_k), "backward") and tma_ok(q, k, v, do)
     common = dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, IS_CAUSAL=bool(causal), DOT_PRECISION=precision,
                   USE_TMA=use_tma)
-
-    delta = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)
-    _preprocess_kernel[(triton.cdiv(total_q, 64), nheads)](
-        out, do, delta, total_q, out.stride(0), out.stride(1), do.stride(0), do.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=64)
-
     qk_scale = softmax_scale * LOG2E
     cfg = _config(BACKWARD_DKDV, head_dim_padded)
     rows = cfg.kwargs["BLOCK_M"]

@@ -44,7 +44,7 @@ def prune_prefill_configs(configs, named_args, **kwargs):
         configs = [c for c in configs if c.kwargs["BLOCK_N"] == 64 and c.num_stages <= 2]
     elif args["USE_TMA"]:
         configs = [c for c in configs if shape(c) in _PREFILL_TMA]
-    elif not args["TILED"]:
+    elif not args["TILED"] and args["HEAD_DIM_PADDED"] > 64:  # head_dim 64 also tries 64-row tiles (more programs)
         configs = [c for c in configs if c.kwargs["BLOCK_M"] == 128]
     if args["TILED"]:
         configs = [c for c in configs if c.kwargs["BLOCK_M"] == PREFILL_TILE_M]
@@ -65,17 +65,22 @@ def tma_pays(head_dim: int, max_seqlen: int, pass_: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Where the unpaged forward runs the warp-specialized Gluon kernel (kernels/hopper_prefill.py; sm_90 and Triton 3.6
-# only, its `supported` decides) instead of the Triton one: the fewest tokens of the longest query sequence, by
-# (head_dim, causal). H100, bf16, 16k tokens per batch, TFLOP/s Gluon against Triton: hd128 causal 203 / 229 at
-# 512, 333 / 334 at 1024, 458 / 388 at 2048; hd128 full 575 / 422 at 1024; hd64 causal 319 / 342 at 2048,
-# 374 / 377 at 4096, 444 / 375 at 16384; hd64 full 434 / 402 at 2048.
+# Where the warp-specialized Gluon kernels (kernels/hopper_prefill.py, hopper_backward.py; sm_90 and Triton 3.6 only,
+# kernels.hopper.supported decides) replace the Triton ones (the forward: unpaged whole batches only): the fewest
+# tokens of the longest sequence, by pass, head_dim and causal. H100, bf16, 16k tokens per batch, TFLOP/s Gluon
+# against Triton. Forward: hd128 causal 203 / 229 at 512, 333 / 334 at 1024, 458 / 388 at 2048; hd128 full
+# 575 / 422 at 1024; hd64 causal 319 / 342 at 2048, 374 / 377 at 4096, 444 / 375 at 16384; hd64 full 434 / 402 at
+# 2048. Backward: hd128 causal 339 / 282 at 2048 up to 457 / 394 at 16384, full 452 / 382 at 8192; hd64 causal
+# 348 / 339 at 8192 (not measured below, nor hd64 full).
 # ---------------------------------------------------------------------------------------------------------
-HOPPER_FROM_TOKENS = {(128, True): 2048, (128, False): 1024, (64, True): 8192, (64, False): 2048}
+HOPPER_FROM_TOKENS = {
+    "forward": {(128, True): 2048, (128, False): 1024, (64, True): 8192, (64, False): 2048},
+    "backward": {(128, True): 2048, (128, False): 2048, (64, True): 8192},
+}
 
 
-def hopper_pays(head_dim: int, causal: bool, max_seqlen: int) -> bool:
-    return not INTERPRET and max_seqlen >= HOPPER_FROM_TOKENS.get((head_dim, bool(causal)), float("inf"))
+def hopper_pays(pass_: str, head_dim: int, causal: bool, max_seqlen: int) -> bool:
+    return not INTERPRET and max_seqlen >= HOPPER_FROM_TOKENS[pass_].get((head_dim, bool(causal)), float("inf"))
 
 
 # ---------------------------------------------------------------------------------------------------------

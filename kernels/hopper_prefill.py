@@ -15,8 +15,7 @@ its tiles (one tile, or with PERSISTENT a tile every grid-size tiles):
 Semantics match kernels.prefill.flash_attn_forward (packed varlen, GQA, bottom-right causal, out 0 and lse -inf
 for rows that see no key, lse [H, total_q] float32 natural log), for 16-bit q/k/v with head_dim 64 or 128.
 
-Pinned to Triton 3.6's Gluon API (it moves between releases): `supported` says False on other versions and on
-anything but sm_90 CUDA. The module itself imports anywhere: without Gluon the kernels are never defined.
+Pinned to Triton 3.6's Gluon API: kernels.hopper.supported says which inputs and GPUs this runs on.
 """
 import functools
 import math
@@ -24,22 +23,19 @@ import math
 import torch
 import triton
 
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    _GLUON_ERROR = None
-except ImportError as exc:  # the interpreter-only CI, or a Triton without Gluon
-    _GLUON_ERROR = exc
+from kernels.hopper import (
+    GLUON_ERROR,
+    fence_async_shared,
+    gl,
+    gluon,
+    mbarrier,
+    rows_descriptor,
+    tma,
+    tma_rows_ok,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-_GLUON_VERSION = "3.6."
 _LOG2E = math.log2(math.e)
 _SMEM_BYTES = 227 * 1024 - 1024  # an sm_90 block's shared memory, less the mbarriers and a margin
 
@@ -72,7 +68,7 @@ def _grid_size(num_m_tiles: int, num_tiles: int, causal: bool, num_sms: int) -> 
     return num_sms
 
 
-if _GLUON_ERROR is None:
+if GLUON_ERROR is None:
 
     @gluon.jit
     def _tile(t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, BLOCK_M: gl.constexpr,
@@ -323,47 +319,16 @@ if _GLUON_ERROR is None:
         ], [4, 1], [240, 24])
 
 
-def supported(q, k, v) -> bool:
-    """Whether hopper_forward handles these inputs: sm_90 CUDA, Triton 3.6's Gluon, packed (not paged) 16-bit
-    q [total_q, H, d] and k/v [total_k, H_k, d] of one dtype, d in (64, 128), H % H_k == 0, rows the copy engine
-    can read (unit stride inside a row of heads, 16-byte aligned row starts)."""
-    if _GLUON_ERROR is not None or not triton.__version__.startswith(_GLUON_VERSION):
-        return False
-    if not (q.is_cuda and k.is_cuda and v.is_cuda) or torch.cuda.get_device_capability(q.device) != (9, 0):
-        return False
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or not (q.dtype == k.dtype == v.dtype):
-        return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in (64, 128):
-        return False
-    if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
-        return False
-    return all(_tma_rows_ok(t) for t in (q, k, v))
-
-
-def _tma_rows_ok(t) -> bool:
-    """Whether the copy engine can address t [tokens, heads, d] as a [tokens, heads * d] matrix."""
-    return t.shape[0] > 0 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and \
-        (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-
-
 @functools.cache
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _rows_descriptor(t, block_rows):
-    """t [tokens, heads, d] as a [tokens, heads * d] matrix in [block_rows, d] tiles, swizzled for wgmma."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[2]], dtype)
-    return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_rows, t.shape[2]],
-                            layout)
 
 
 def hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, out=None,
                    config=None):
     """Packed varlen forward, same contract as kernels.prefill.flash_attn_forward without paging or q_tiles:
     q [total_q, H, d], k/v [total_k, H_k, d] -> (out like q, lse [H, total_q] float32). Callers check
-    `supported` first. config overrides _tile_config (benchmarks)."""
+    kernels.hopper.supported first. config overrides _tile_config (tests of each knob)."""
     total_q, nheads, head_dim = q.shape
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
@@ -378,15 +343,15 @@ def hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     # Output staging (two [BLOCK_M, d] tiles) only where it fits beside Q and the ring, and the copy engine can
     # address out.
     ring_bytes = (2 * block_m + 2 * cfg["STAGES"] * block_n) * head_dim * q.element_size()
-    tma_store = cfg["TMA_STORE"] and _tma_rows_ok(out) and \
+    tma_store = cfg["TMA_STORE"] and tma_rows_ok(out) and \
         ring_bytes + 2 * block_m * head_dim * q.element_size() <= _SMEM_BYTES
     num_m_tiles = triton.cdiv(max_seqlen_q, 2 * block_m)
     num_tiles = num_m_tiles * nheads * batch
     grid = _grid_size(num_m_tiles, num_tiles, bool(causal), _num_sms(q.device)) if cfg["PERSISTENT"] else num_tiles
-    q_desc = _rows_descriptor(q, block_m)
-    o_desc = _rows_descriptor(out, block_m) if tma_store else q_desc  # unread without TMA_STORE
+    q_desc = rows_descriptor(q, block_m)
+    o_desc = rows_descriptor(out, block_m) if tma_store else q_desc  # unread without TMA_STORE
     _hopper_attn_fwd[(grid, )](
-        q_desc, _rows_descriptor(k, block_n), _rows_descriptor(v, block_n), o_desc, out, lse,
+        q_desc, rows_descriptor(k, block_n), rows_descriptor(v, block_n), o_desc, out, lse,
         cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, total_q, nheads, batch, num_m_tiles,
         nheads // k.shape[1], out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), PINGPONG=cfg["PINGPONG"],

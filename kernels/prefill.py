@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import hopper_prefill
+from kernels import hopper
 from kernels.configs import PREFILL_CONFIGS, PREFILL_TILE_M, hopper_pays, prune_prefill_configs, tma_pays
+from kernels.hopper_prefill import hopper_forward
 from kernels.launches import CompiledLaunches, aligned
 from kernels.tma import row_descriptor, tma_ok
 
@@ -204,10 +205,10 @@ def flash_attn_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     (kernels.configs.hopper_pays)."""
     total_q, nheads, head_dim = q.shape
     unpaged_whole = block_table is None and q_tiles is None
-    if unpaged_whole and softmax_scale > 0 and hopper_pays(head_dim, causal, max_seqlen_q) and \
-            hopper_prefill.supported(q, k, v):  # the warp-specialized Gluon kernel, on sm_90
-        return hopper_prefill.hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                             softmax_scale, causal, out=out)
+    if unpaged_whole and softmax_scale > 0 and hopper_pays("forward", head_dim, causal, max_seqlen_q) and \
+            hopper.supported(q, k, v):  # the warp-specialized Gluon kernel, on sm_90
+        return hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              out=out)
     batch = cu_seqlens_q.numel() - 1
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((nheads, total_q), dtype=torch.float32, device=q.device)

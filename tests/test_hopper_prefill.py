@@ -1,9 +1,10 @@
 """The Gluon warp-specialized Hopper forward (kernels/hopper_prefill.py) against the float32 reference. These need
-an sm_90 GPU with Triton 3.6; elsewhere `supported` says False and the tests skip (CI only imports the module)."""
+an sm_90 GPU with Triton 3.6; elsewhere kernels.hopper.supported says False and the tests skip (CI only imports
+the module)."""
 import pytest
 import torch
 
-from kernels import hopper_prefill
+from kernels import hopper, hopper_prefill
 from kernels.reference import varlen_attention_ref
 from tests.helpers import cu_seqlens, rel_err
 
@@ -19,7 +20,7 @@ def _inputs(lens_q, lens_k, nheads, nheads_k, head_dim, dtype):
 
 def _check(lens_q, lens_k, nheads, nheads_k, head_dim, causal, dtype=torch.bfloat16, **config):
     q, k, v, cu_q, cu_k = _inputs(lens_q, lens_k, nheads, nheads_k, head_dim, dtype)
-    if not hopper_prefill.supported(q, k, v):
+    if not hopper.supported(q, k, v):
         pytest.skip("needs an sm_90 GPU and Triton 3.6")
     scale = head_dim ** -0.5
     out, lse = hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale, causal,
@@ -73,7 +74,7 @@ def test_real_size_bf16(causal):
 @pytest.mark.gpu
 def test_out_in_place_and_unsupported():
     q, k, v, cu_q, cu_k = _inputs([70, 33], [70, 33], 4, 4, 128, torch.bfloat16)
-    if not hopper_prefill.supported(q, k, v):
+    if not hopper.supported(q, k, v):
         pytest.skip("needs an sm_90 GPU and Triton 3.6")
     out = torch.full_like(q, float("nan"))
     got, _ = hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, 70, 70, 0.1, True, out=out)
@@ -82,9 +83,9 @@ def test_out_in_place_and_unsupported():
     strided = torch.full((q.shape[0], 4, 256), float("nan"), device="cuda", dtype=q.dtype)[..., :128]
     hopper_prefill.hopper_forward(q, k, v, cu_q, cu_k, 70, 70, 0.1, True, out=strided)
     torch.testing.assert_close(strided, out, atol=0, rtol=0)
-    assert not hopper_prefill.supported(q.float(), k.float(), v.float())
-    assert not hopper_prefill.supported(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
-    assert not hopper_prefill.supported(q.cpu(), k.cpu(), v.cpu())
+    assert not hopper.supported(q.float(), k.float(), v.float())
+    assert not hopper.supported(q[..., :96].contiguous(), k[..., :96].contiguous(), v[..., :96].contiguous())
+    assert not hopper.supported(q.cpu(), k.cpu(), v.cpu())
 
 
 @pytest.mark.parametrize("num_m_tiles, num_tiles, causal, persistent", [
