@@ -45,6 +45,6 @@ class CompiledLaunches:
             program, config = hit
             program[grid(config.kwargs)](*args, *constexprs.values(), *config.kwargs.values())
             return
-        program = self.kernel[lambda meta: grid(meta)](*args, **constexprs)
+        program = self.kernel[grid](*args, **constexprs)
         if not _INTERPRET:
             self.programs[key] = (program, self.kernel.best_config)

@@ -98,3 +98,10 @@ def test_out_in_place_and_unsupported():
 def test_grid_size(num_m_tiles, num_tiles, causal, persistent):
     grid = hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, 132)
     assert grid == (132 if persistent else num_tiles)
+
+
+def test_cpu_tensors_are_not_supported():
+    # CI's path: without an sm_90 GPU (or with another Triton) the dispatchers must keep the Triton kernels.
+    q = torch.randn(8, 2, 64, dtype=torch.float16)
+    assert not hopper.supported(q, q, q)
+    assert not hopper.supported(q, q, q, q)
