@@ -10,6 +10,8 @@ import functools
 import torch
 import triton
 
+from kernels.tma import tma_ok
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -32,13 +34,13 @@ GLUON_VERSION = "3.6."
 HEAD_DIMS = (64, 128)
 
 __all__ = ["GLUON_ERROR", "TensorDescriptor", "async_copy", "fence_async_shared", "gl", "gluon", "mbarrier",
-           "rows_descriptor", "supported", "tma", "tma_rows_ok", "warpgroup_mma", "warpgroup_mma_wait"]
+           "rows_descriptor", "supported", "tma", "warpgroup_mma", "warpgroup_mma_wait"]
 
 
 def supported(q, k, v, *like_q) -> bool:
     """Whether the Gluon kernels handle these inputs: sm_90 CUDA, Triton 3.6's Gluon, packed (not paged) 16-bit
     q [total_q, H, d] and k/v [total_k, H_k, d] of one dtype (and tensors shaped like q: dO), d in HEAD_DIMS,
-    H % H_k == 0, rows the copy engine can address."""
+    H % H_k == 0, rows the copy engine can address (kernels.tma.tma_ok)."""
     if GLUON_ERROR is not None or not triton.__version__.startswith(GLUON_VERSION):
         return False
     tensors = (q, k, v, *like_q)
@@ -50,18 +52,12 @@ def supported(q, k, v, *like_q) -> bool:
         return False
     if k.shape != v.shape or k.shape[-1] != q.shape[-1] or q.shape[1] % k.shape[1]:
         return False
-    return all(tma_rows_ok(t) for t in tensors)
+    return tma_ok(*tensors)
 
 
 @functools.cache
 def _is_sm90(device: int) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
-
-
-def tma_rows_ok(t) -> bool:
-    """Whether the copy engine can address t [tokens, heads, d] as a [tokens, heads * d] matrix."""
-    return t.shape[0] > 0 and t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] and \
-        (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
 def rows_descriptor(t, block_rows):

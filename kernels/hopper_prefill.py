@@ -31,10 +31,10 @@ from kernels.hopper import (
     mbarrier,
     rows_descriptor,
     tma,
-    tma_rows_ok,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from kernels.tma import tma_ok
 
 _LOG2E = math.log2(math.e)
 _SMEM_BYTES = 227 * 1024 - 1024  # an sm_90 block's shared memory, less the mbarriers and a margin
@@ -343,7 +343,7 @@ def hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     # Output staging (two [BLOCK_M, d] tiles) only where it fits beside Q and the ring, and the copy engine can
     # address out.
     ring_bytes = (2 * block_m + 2 * cfg["STAGES"] * block_n) * head_dim * q.element_size()
-    tma_store = cfg["TMA_STORE"] and tma_rows_ok(out) and \
+    tma_store = cfg["TMA_STORE"] and tma_ok(out) and \
         ring_bytes + 2 * block_m * head_dim * q.element_size() <= _SMEM_BYTES
     num_m_tiles = triton.cdiv(max_seqlen_q, 2 * block_m)
     num_tiles = num_m_tiles * nheads * batch
