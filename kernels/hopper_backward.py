@@ -41,8 +41,8 @@ def _tile_config(head_dim: int, causal: bool) -> dict:
     kernel; STAGES(_DQ): ring depths; PAIR_MAJOR: program order (see _dkdv_tile). Per consumer thread the dK/dV
     kernel holds dK, dV (2 x 64 x head_dim fp32 over 128 threads) plus S^T, dP^T (2 x 64 x BLOCK_M), which leaves
     room for BLOCK_M = 64 only (128 spills at head_dim 64 too). Measured on an H100 (bf16, 16k tokens): at head_dim
-    128 pair-major order gained 2-17% (most at N = 2048), at head_dim 64 it lost 2%; STAGES 3 and BLOCK_N_DQ 128
-    changed nothing measurable at head_dim 128."""
+    128 pair-major order gained 2-17% (most at N = 2048), at head_dim 64 it lost 2%; BLOCK_N_DQ 128 changed nothing
+    measurable at head_dim 128, and STAGES 3 lost 4-7% causal (full: within run-to-run noise, +-5%)."""
     if head_dim == 128:
         return {"BLOCK_M": 64, "STAGES": 2, "BLOCK_N_DQ": 64, "STAGES_DQ": 2, "PAIR_MAJOR": True,
                 "maxnreg": 168}
@@ -133,11 +133,52 @@ if GLUON_ERROR is None:
                     i += 1
 
     @gluon.jit
+    def _dkdv_scores(k_wg, v_wg, q_s, do_s, q_bar, do_bar, phase, s_zero):
+        """Issue one streamed tile's S^T = K Q^T and dP^T = V dO^T as soon as its Q, then its dO, have landed."""
+        mbarrier.wait(q_bar, phase)
+        s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_bar, phase)
+        dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        return s_tok, dp_tok
+
+    @gluon.jit
+    def _dkdv_probs(s_t, lse_buf, offs_n, m0, seqlen_q, causal_offset, mask_until, qk_scale,
+                    s_layout: gl.constexpr, BLOCK_M: gl.constexpr, IS_CAUSAL: gl.constexpr):
+        """P^T of one tile from its finished S^T."""
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
+        # Rows past the sequence (TMA brought the next one's, or zeros) and rows that saw no key get lse = +inf:
+        # P = 0 there, so they add nothing.
+        lse = lse_buf.load(gl.SliceLayout(0, s_layout))
+        lse = gl.where((offs_m < seqlen_q) & (lse != float("-inf")), lse * 1.4426950408889634, float("inf"))
+        p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
+        if IS_CAUSAL:  # noqa: SIM102 (a compile-time branch around a runtime one)
+            if m0 < mask_until:
+                visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + causal_offset, 0)
+                p_t = gl.where(visible, p_t, 0.0)
+        return p_t
+
+    @gluon.jit
+    def _dkdv_update(p_t, dp_t, dk, dv, q_s, do_s, delta_buf, s_layout: gl.constexpr, a_layout: gl.constexpr):
+        """Issue dV += P^T dO, compute dS^T under it, issue dK += dS^T Q; both left in flight with their register
+        operands (returned: the caller's wait keeps them alive)."""
+        dtype: gl.constexpr = q_s.dtype
+        p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(p_a, do_s, dv, is_async=True)
+        delta = delta_buf.load(gl.SliceLayout(0, s_layout))
+        ds_a = gl.convert_layout((p_t * (dp_t - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+        dk_tok = warpgroup_mma(ds_a, q_s, dk, is_async=True)
+        return dv_tok, dk_tok, p_a, ds_a
+
+    @gluon.jit
     def _dkdv_consumer(bufs, bars, lse_ptr, delta_ptr, dk_ptr, dv_ptr, cu_seqlens_q, cu_seqlens_k, num_kv_heads,
                        num_batches, group_size, qk_scale, softmax_scale, total_q, stride_dk_tok, stride_dk_h,
                        stride_dv_tok, stride_dv_h, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
                        BLOCK_M: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PAIR_MAJOR: gl.constexpr):
-        """One warpgroup: keys [n0 + WG * 64, + 64) against every streamed query tile (keys on rows)."""
+        """One warpgroup: keys [n0 + WG * 64, + 64) against every streamed query tile (keys on rows), software-
+        pipelined so its GEMMs queue back to back: dV of tile i (dS^T is computed under it), dK of tile i, then
+        S^T and dP^T of tile i + 1 (its P^T is computed under dP^T). Each GEMM retires within the iteration that
+        issued it: with S^T / dP^T still in flight across the loop's back edge, ptxas serialized every wgmma of
+        the kernel (its warning C7514). H100, hd128: dK/dV kernel 8-13% faster causal, 0-4% full."""
         k_smem, v_smem, q_bufs, do_bufs, lse_bufs, delta_bufs = bufs
         kv_ready, q_ready, do_ready, stat_ready, empty = bars
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -160,42 +201,36 @@ if GLUON_ERROR is None:
             dv = gl.zeros([_ROWS, HEAD_DIM], gl.float32, acc_layout)
             k_wg = k_smem.index(WG)
             v_wg = v_smem.index(WG)
+            n_tiles = group_size * n_steps
             mbarrier.wait(kv_ready, 0)
-            i = 0
-            for _h in range(group_size):
-                for s in range(n_steps):
+            if n_tiles > 0:
+                s_tok, dp_tok = _dkdv_scores(k_wg, v_wg, q_bufs.index(0), do_bufs.index(0), q_ready.index(0),
+                                             do_ready.index(0), 0, s_zero)
+                s_t = warpgroup_mma_wait(1, deps=(s_tok, ))
+                mbarrier.wait(stat_ready.index(0), 0)
+                p_t = _dkdv_probs(s_t, lse_bufs.index(0), offs_n, lo, seqlen_q, causal_offset, mask_until, qk_scale,
+                                  s_layout, BLOCK_M, IS_CAUSAL)
+                dp_t = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                for i in range(n_tiles - 1):  # the last tile is peeled off: no next tile's scores to queue
                     stage = i % STAGES
-                    phase = (i // STAGES) & 1
-                    m0 = lo + s * BLOCK_M
-                    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, s_layout))
-                    q_s = q_bufs.index(stage)
-                    do_s = do_bufs.index(stage)
-                    mbarrier.wait(q_ready.index(stage), phase)
-                    s_t = warpgroup_mma(k_wg, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    mbarrier.wait(do_ready.index(stage), phase)
-                    dp_t = warpgroup_mma(v_wg, do_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                    # Rows past the sequence (TMA brought the next one's, or zeros) and rows that saw no key get
-                    # lse = +inf: P = 0 there, so they add nothing.
-                    mbarrier.wait(stat_ready.index(stage), phase)
-                    lse = lse_bufs.index(stage).load(gl.SliceLayout(0, s_layout))
-                    lse = gl.where((offs_m < seqlen_q) & (lse != float("-inf")), lse * 1.4426950408889634,
-                                   float("inf"))
-                    s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-                    p_t = gl.exp2(s_t * qk_scale - gl.expand_dims(lse, 0))
-                    if IS_CAUSAL:  # noqa: SIM102 (a compile-time branch around a runtime one)
-                        if m0 < mask_until:
-                            visible = gl.expand_dims(offs_n, 1) <= gl.expand_dims(offs_m + causal_offset, 0)
-                            p_t = gl.where(visible, p_t, 0.0)
-                    dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_s, dv, is_async=True)
-                    # delta only now: with lse dead, the two row vectors (16 registers each) are never live together.
-                    delta = delta_bufs.index(stage).load(gl.SliceLayout(0, s_layout))
-                    # dV retires with dP^T: Triton 3.6 waits for a wgmma with a register operand anyway.
-                    dp_t, dv = warpgroup_mma_wait(0, deps=(dp_t, dv))
-                    ds_t = p_t * (dp_t - gl.expand_dims(delta, 0))
-                    dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_s, dk, is_async=True)
-                    dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+                    dv_tok, dk_tok, p_a, ds_a = _dkdv_update(p_t, dp_t, dk, dv, q_bufs.index(stage),
+                                                             do_bufs.index(stage), delta_bufs.index(stage),
+                                                             s_layout, a_layout)
+                    dv, p_a = warpgroup_mma_wait(1, deps=(dv_tok, p_a))  # frees P^T's registers for tile i + 1
+                    nxt = (i + 1) % STAGES
+                    nxt_phase = ((i + 1) // STAGES) & 1
+                    s_tok, dp_tok = _dkdv_scores(k_wg, v_wg, q_bufs.index(nxt), do_bufs.index(nxt),
+                                                 q_ready.index(nxt), do_ready.index(nxt), nxt_phase, s_zero)
+                    dk, s_t, ds_a = warpgroup_mma_wait(1, deps=(dk_tok, s_tok, ds_a))
                     mbarrier.arrive(empty.index(stage))
-                    i += 1
+                    mbarrier.wait(stat_ready.index(nxt), nxt_phase)
+                    p_t = _dkdv_probs(s_t, lse_bufs.index(nxt), offs_n, lo + ((i + 1) % n_steps) * BLOCK_M, seqlen_q,
+                                      causal_offset, mask_until, qk_scale, s_layout, BLOCK_M, IS_CAUSAL)
+                    dp_t = warpgroup_mma_wait(0, deps=(dp_tok, ))
+                stage = (n_tiles - 1) % STAGES
+                dv_tok, dk_tok, p_a, ds_a = _dkdv_update(p_t, dp_t, dk, dv, q_bufs.index(stage), do_bufs.index(stage),
+                                                         delta_bufs.index(stage), s_layout, a_layout)
+                dv, dk, p_a, ds_a = warpgroup_mma_wait(0, deps=(dv_tok, dk_tok, p_a, ds_a))
             offs_r = kn0 + gl.arange(0, _ROWS, layout=gl.SliceLayout(1, acc_layout))
             offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
             rows = gl.expand_dims((k_start + offs_r).to(gl.int64), 1)
