@@ -41,10 +41,12 @@ def _tile_config(head_dim: int, causal: bool) -> dict:
     kernel; STAGES(_DQ): ring depths; PAIR_MAJOR: program order (see _dkdv_tile). Per consumer thread the dK/dV
     kernel holds dK, dV (2 x 64 x head_dim fp32 over 128 threads) plus S^T, dP^T (2 x 64 x BLOCK_M), which leaves
     room for BLOCK_M = 64 only (128 spills at head_dim 64 too). Measured on an H100 (bf16, 16k tokens): at head_dim
-    128 pair-major order gained 2-17% (most at N = 2048), at head_dim 64 it lost 2%; BLOCK_N_DQ 128 changed nothing
-    measurable at head_dim 128, and STAGES 3 lost 4-7% causal (full: within run-to-run noise, +-5%)."""
+    128 pair-major order gained 2-17% (most at N = 2048), at head_dim 64 it lost 2%; STAGES 3 lost 4-7% causal
+    (full: within run-to-run noise, +-5%). dQ kernel at head_dim 128, variants timed interleaved, best of two:
+    BLOCK_N_DQ 128 beat 64 at every N (1.5-4% causal, 1-8% full), 3 or 4 stages lost 0-6%, heads-fastest order
+    2-30%."""
     if head_dim == 128:
-        return {"BLOCK_M": 64, "STAGES": 2, "BLOCK_N_DQ": 64, "STAGES_DQ": 2, "PAIR_MAJOR": True,
+        return {"BLOCK_M": 64, "STAGES": 2, "BLOCK_N_DQ": 128, "STAGES_DQ": 2, "PAIR_MAJOR": True,
                 "maxnreg": 168}
     return {"BLOCK_M": 64, "STAGES": 3, "BLOCK_N_DQ": 128, "STAGES_DQ": 2, "PAIR_MAJOR": False,
             "maxnreg": 168}
