@@ -68,13 +68,14 @@ def tma_pays(head_dim: int, max_seqlen: int, pass_: str) -> bool:
 # Where the warp-specialized Gluon kernels (kernels/hopper_prefill.py, hopper_backward.py; sm_90 and Triton 3.6 only,
 # kernels.hopper.supported decides) replace the Triton ones (the forward: unpaged whole batches only): the fewest
 # tokens of the longest sequence, by pass, head_dim and causal. H100, bf16, 16k tokens per batch, TFLOP/s Gluon
-# against Triton. Forward: hd128 causal 203 / 229 at 512, 333 / 334 at 1024, 458 / 388 at 2048; hd128 full
-# 575 / 422 at 1024; hd64 causal 319 / 342 at 2048, 374 / 377 at 4096, 444 / 375 at 16384; hd64 full 434 / 402 at
+# against Triton. Forward (since the persistent causal programs pair long and short row blocks): hd128 causal
+# 243 / 231 at 512 (157 in a second timing), 441 / 335 at 1024, 492 / 398 at 2048; hd128 full 575 / 422 at 1024;
+# hd64 causal 289 / 290 at 1024, 362 / 337 at 2048, 409 / 375 at 4096; hd64 full 415 / 360 at 1024, 434 / 402 at
 # 2048. Backward: hd128 causal 339 / 282 at 2048 up to 457 / 394 at 16384, full 452 / 382 at 8192; hd64 causal
 # 348 / 339 at 8192 (not measured below, nor hd64 full).
 # ---------------------------------------------------------------------------------------------------------
 HOPPER_FROM_TOKENS = {
-    "forward": {(128, True): 2048, (128, False): 1024, (64, True): 8192, (64, False): 2048},
+    "forward": {(128, True): 1024, (128, False): 1024, (64, True): 2048, (64, False): 1024},
     "backward": {(128, True): 2048, (128, False): 2048, (64, True): 8192},
 }
 

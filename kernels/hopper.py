@@ -62,7 +62,11 @@ def _is_sm90(device: int) -> bool:
 
 def rows_descriptor(t, block_rows):
     """t [tokens, heads, d] as a [tokens, heads * d] matrix in [block_rows, d] tiles, swizzled for wgmma."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([block_rows, t.shape[2]], dtype)
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [block_rows, t.shape[2]],
-                            layout)
+                            _tile_layout(block_rows, t.shape[2], t.dtype))
+
+
+@functools.cache
+def _tile_layout(block_rows, d, dtype):
+    """Building the layout is most of a descriptor's host time (about 8 us of 10)."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)

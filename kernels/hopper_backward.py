@@ -31,6 +31,7 @@ from kernels.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from kernels.launches import KernelLaunches
 
 _LOG2E = math.log2(math.e)
 _WG_ROWS = 64  # rows of the fixed operand (keys for dK/dV, queries for dQ) per consumer warpgroup
@@ -438,6 +439,10 @@ if GLUON_ERROR is None:
         ], [4, 1], [240, 24])
 
 
+_DKDV_LAUNCHES = KernelLaunches(_dkdv_kernel) if GLUON_ERROR is None else None
+_DQ_LAUNCHES = KernelLaunches(_dq_kernel) if GLUON_ERROR is None else None
+
+
 def hopper_backward(do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
                     causal, config=None):
     """Gradients (dq, dk, dv) of packed varlen attention, same contract as kernels.backward.flash_attn_backward
@@ -466,12 +471,14 @@ def _launch_dkdv(dk, dv, do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, ma
     batch = cu_seqlens_q.numel() - 1
     block_m = cfg["BLOCK_M"]
     n_kv_blocks = triton.cdiv(max_seqlen_k, 2 * _WG_ROWS)
-    _dkdv_kernel[(n_kv_blocks * nheads_k * batch, )](
-        rows_descriptor(q, block_m), rows_descriptor(do, block_m), rows_descriptor(k, _WG_ROWS),
-        rows_descriptor(v, _WG_ROWS), lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
-        softmax_scale, total_q, nheads_k, batch, nheads // nheads_k, dk.stride(0), dk.stride(1), dv.stride(0),
-        dv.stride(1), HEAD_DIM=head_dim, BLOCK_M=block_m, STAGES=cfg["STAGES"], IS_CAUSAL=causal,
-        PAIR_MAJOR=cfg["PAIR_MAJOR"], num_warps=4, maxnreg=cfg["maxnreg"])
+    _DKDV_LAUNCHES.launch(
+        (n_kv_blocks * nheads_k * batch, 1, 1),
+        (rows_descriptor(q, block_m), rows_descriptor(do, block_m), rows_descriptor(k, _WG_ROWS),
+         rows_descriptor(v, _WG_ROWS), lse, delta, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
+         softmax_scale, total_q, nheads_k, batch, nheads // nheads_k, dk.stride(0), dk.stride(1), dv.stride(0),
+         dv.stride(1)),
+        dict(HEAD_DIM=head_dim, BLOCK_M=block_m, STAGES=cfg["STAGES"], IS_CAUSAL=causal,
+             PAIR_MAJOR=cfg["PAIR_MAJOR"]), num_warps=4, maxnreg=cfg["maxnreg"])
 
 
 def _launch_dq(dq, do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -480,9 +487,10 @@ def _launch_dq(dq, do, q, k, v, lse, delta, cu_seqlens_q, cu_seqlens_k, max_seql
     batch = cu_seqlens_q.numel() - 1
     block_n = cfg["BLOCK_N_DQ"]
     num_m_tiles = triton.cdiv(max_seqlen_q, 2 * _WG_ROWS)
-    _dq_kernel[(num_m_tiles * nheads * batch, )](
-        rows_descriptor(q, _WG_ROWS), rows_descriptor(do, _WG_ROWS), rows_descriptor(k, block_n),
-        rows_descriptor(v, block_n), lse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
-        softmax_scale, total_q, nheads, batch, num_m_tiles, nheads // k.shape[1], dq.stride(0), dq.stride(1),
-        HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=cfg["STAGES_DQ"], IS_CAUSAL=causal, PAIR_MAJOR=cfg["PAIR_MAJOR"],
-        num_warps=4, maxnreg=cfg["maxnreg"])
+    _DQ_LAUNCHES.launch(
+        (num_m_tiles * nheads * batch, 1, 1),
+        (rows_descriptor(q, _WG_ROWS), rows_descriptor(do, _WG_ROWS), rows_descriptor(k, block_n),
+         rows_descriptor(v, block_n), lse, delta, dq, cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E,
+         softmax_scale, total_q, nheads, batch, num_m_tiles, nheads // k.shape[1], dq.stride(0), dq.stride(1)),
+        dict(HEAD_DIM=head_dim, BLOCK_N=block_n, STAGES=cfg["STAGES_DQ"], IS_CAUSAL=causal,
+             PAIR_MAJOR=cfg["PAIR_MAJOR"]), num_warps=4, maxnreg=cfg["maxnreg"])

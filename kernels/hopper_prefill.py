@@ -34,6 +34,7 @@ from kernels.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from kernels.launches import KernelLaunches
 from kernels.tma import tma_ok
 
 _LOG2E = math.log2(math.e)
@@ -55,31 +56,48 @@ def _tile_config(head_dim: int, causal: bool) -> dict:
 
 def _grid_size(num_m_tiles: int, num_tiles: int, causal: bool, num_sms: int) -> int:
     """Programs for a persistent launch: one per SM, each running tiles p, p + P, p + 2P, ... (P programs).
-    Under causal masking a tile's cost grows with its row block, and program p's row blocks step by P mod
-    num_m_tiles: unless each program runs at least one full cycle of those steps, some programs draw only the
-    long tiles (hd128 causal N=16384: 450 TFLOP/s against 595 with a program per tile), so then the launch
-    keeps a program per tile and leaves the balancing to the hardware."""
+    Under causal masking a tile's cost grows with its row block, and program p's row positions step by P mod
+    num_m_tiles through a cycle of _row_group's groups: unless each program runs at least one full cycle, and
+    the cycle has two groups to pair, some programs draw only the long tiles (hd128 causal N=16384: 450
+    TFLOP/s against 595 with a program per tile), so then the launch keeps a program per tile and leaves the
+    balancing to the hardware."""
     if num_tiles <= num_sms:
         return num_tiles
-    if causal:
-        cycle = num_m_tiles // math.gcd(num_sms % num_m_tiles, num_m_tiles)
-        if num_tiles // num_sms < cycle:
+    if causal and num_m_tiles > 1:
+        cycle = num_m_tiles // _row_group(num_m_tiles, num_sms)
+        if cycle < 2 or num_tiles // num_sms < cycle:
             return num_tiles
     return num_sms
+
+
+def _row_group(num_m_tiles: int, grid: int) -> int:
+    """Program p of a persistent launch only meets the row positions p mod g + k * g of each head, g =
+    gcd(grid, num_m_tiles) (4 on 132 SMs at 16..128 row tiles). _tile hands those positions out so that every
+    program's positions cost the same under causal masking: g consecutive row blocks form a group, and in every
+    odd group the order reverses, so position c takes the c-th longest row block of one group and the c-th
+    shortest of the next. With the row blocks straight in position order, program p always drew row blocks of
+    one residue mod g, and the residue of the longest ones carried 40 key blocks per cycle against 28 for the
+    shortest (N=2048): the launch ended when those programs did."""
+    return math.gcd(grid % num_m_tiles, num_m_tiles)
 
 
 if GLUON_ERROR is None:
 
     @gluon.jit
-    def _tile(t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, BLOCK_M: gl.constexpr,
+    def _tile(t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
         """Work tile t: 2 * BLOCK_M query rows from m0 of one (head, sequence). The row blocks of one head vary
         fastest, so the programs running at once share few heads' K/V and find them in L2 (heads fastest
         instead streamed every head's K/V from HBM: N=2048 hd128 causal fell from 443 to 315 TFLOP/s); within a
         head the highest row blocks come first, since under causal masking they carry the most keys.
         n_blocks >= 1 even when no row of the tile sees a key: that block is then fully masked, and the rows
-        come out 0 with lse -inf like any other."""
-        m0 = (num_m_tiles - 1 - t % num_m_tiles) * (2 * BLOCK_M)
+        come out 0 with lse -inf like any other. row_group (see _row_group; 1 keeps the order) pairs long and
+        short row blocks for the programs of a persistent causal launch."""
+        pos = t % num_m_tiles
+        group = pos // row_group
+        in_group = pos % row_group
+        in_group += (group % 2) * (row_group - 1 - 2 * in_group)  # odd groups in reverse
+        m0 = (num_m_tiles - 1 - group * row_group - in_group) * (2 * BLOCK_M)
         head = (t // num_m_tiles) % num_heads
         batch = t // (num_m_tiles * num_heads)
         q_start = gl.load(cu_seqlens_q + batch)
@@ -97,8 +115,8 @@ if GLUON_ERROR is None:
         return m0, head, q_start, seqlen_q, k_start, seqlen_k, n_blocks
 
     @gluon.jit
-    def _loader(descs, bufs, bars, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, group_size,
-                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    def _loader(descs, bufs, bars, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group,
+                group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                 IS_CAUSAL: gl.constexpr):
         """One warp: per tile, both consumers' Q (once the last tile's is released), then the tile's K/V
         blocks through the ring. Ring slot and phase run on across tiles, like the consumers'."""
@@ -109,7 +127,8 @@ if GLUON_ERROR is None:
         tile_i = 0
         for t in range(gl.program_id(0), num_m_tiles * num_heads * num_batches, gl.num_programs(0)):
             m0, head, q_start, seqlen_q, k_start, seqlen_k, n_blocks = _tile(
-                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, BLOCK_M, BLOCK_N, IS_CAUSAL)
+                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M, BLOCK_N,
+                IS_CAUSAL)
             if m0 < seqlen_q:
                 # A fresh mbarrier counts as having completed the phase before 0: the first lap does not wait.
                 for wg in gl.static_range(2):
@@ -166,9 +185,9 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _consumer(bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                  num_m_tiles, qk_scale, total_q, stride_o_tok, stride_o_h, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
+                  num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, WG: gl.constexpr,
+                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
         """One warpgroup: per tile, rows [m0 + WG * BLOCK_M, + BLOCK_M) against the tile's key blocks."""
         q_bufs, k_bufs, v_bufs, o_bufs = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars = bars
@@ -188,7 +207,8 @@ if GLUON_ERROR is None:
         tile_i = 0
         for t in range(gl.program_id(0), num_m_tiles * num_heads * num_batches, gl.num_programs(0)):
             m0, head, q_start, seqlen_q, _, seqlen_k, n_blocks = _tile(
-                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, BLOCK_M, BLOCK_N, IS_CAUSAL)
+                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M, BLOCK_N,
+                IS_CAUSAL)
             if m0 < seqlen_q:
                 m_start = m0 + WG * BLOCK_M
                 causal_offset = seqlen_k - seqlen_q
@@ -270,7 +290,7 @@ if GLUON_ERROR is None:
 
     @gluon.jit
     def _hopper_attn_fwd(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
-                         total_q, num_heads, num_batches, num_m_tiles, group_size, stride_o_tok, stride_o_h,
+                         total_q, num_heads, num_batches, num_m_tiles, row_group, group_size, stride_o_tok, stride_o_h,
                          HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
                          TMA_STORE: gl.constexpr):
@@ -309,14 +329,17 @@ if GLUON_ERROR is None:
         # asks for) and the loader (1 warp, the minimum 24 registers per thread).
         gl.warp_specialize([
             (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                         num_m_tiles, qk_scale, total_q, stride_o_tok, stride_o_h, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
+                         num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, 0, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
             (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                         num_m_tiles, qk_scale, total_q, stride_o_tok, stride_o_h, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                         STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
+                         num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, 1, HEAD_DIM, BLOCK_M,
+                         BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
             (_loader, ((q_desc, k_desc, v_desc), bufs, bars, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                       num_m_tiles, group_size, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+                       num_m_tiles, row_group, group_size, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
         ], [4, 1], [240, 24])
+
+
+_LAUNCHES = KernelLaunches(_hopper_attn_fwd) if GLUON_ERROR is None else None
 
 
 @functools.cache
@@ -348,12 +371,15 @@ def hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     num_m_tiles = triton.cdiv(max_seqlen_q, 2 * block_m)
     num_tiles = num_m_tiles * nheads * batch
     grid = _grid_size(num_m_tiles, num_tiles, bool(causal), _num_sms(q.device)) if cfg["PERSISTENT"] else num_tiles
+    grid = min(cfg.get("PROGRAMS") or grid, num_tiles)  # PROGRAMS: tests run persistent programs on small inputs
+    row_group = _row_group(num_m_tiles, grid) if causal and grid < num_tiles else 1
     q_desc = rows_descriptor(q, block_m)
     o_desc = rows_descriptor(out, block_m) if tma_store else q_desc  # unread without TMA_STORE
-    _hopper_attn_fwd[(grid, )](
-        q_desc, rows_descriptor(k, block_n), rows_descriptor(v, block_n), o_desc, out, lse,
-        cu_seqlens_q, cu_seqlens_k, softmax_scale * _LOG2E, total_q, nheads, batch, num_m_tiles,
-        nheads // k.shape[1], out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal), PINGPONG=cfg["PINGPONG"],
-        TMA_STORE=tma_store, num_warps=4, maxnreg=cfg["maxnreg"])
+    _LAUNCHES.launch(
+        (grid, 1, 1),
+        (q_desc, rows_descriptor(k, block_n), rows_descriptor(v, block_n), o_desc, out, lse, cu_seqlens_q,
+         cu_seqlens_k, softmax_scale * _LOG2E, total_q, nheads, batch, num_m_tiles, row_group, nheads // k.shape[1],
+         out.stride(0), out.stride(1)),
+        dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal),
+             PINGPONG=cfg["PINGPONG"], TMA_STORE=tma_store), num_warps=4, maxnreg=cfg["maxnreg"])
     return out, lse

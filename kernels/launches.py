@@ -1,4 +1,5 @@
-"""A host fast path for launching an autotuned Triton kernel again with a signature it has already run.
+"""Host fast paths for launching a Triton or Gluon kernel again with a signature it has already run: autotuned
+kernels (CompiledLaunches) and plain ones (KernelLaunches, the Gluon kernels of kernels/hopper_*.py).
 
 Triton's own path spends about 100 us of host time per call on an H100 host (the autotuner's key: a `hasattr` and
 `str(dtype)` per argument; binding and specializing ~35 arguments; looking up the compiled program), more than
@@ -48,3 +49,40 @@ class CompiledLaunches:
         program = self.kernel[grid](*args, **constexprs)
         if not _INTERPRET:
             self.programs[key] = (program, self.kernel.best_config)
+
+
+def _specialization(arg) -> object:
+    """What Triton 3.6 specializes a runtime argument on (triton.runtime.jit's binder): a tensor's dtype and 16-byte
+    alignment; an integer being 1, a multiple of 16, and its width; a tensor descriptor's dtype, block shape and
+    layout; nothing for a float."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.get_device(), arg.data_ptr() % 16 == 0
+    if isinstance(arg, bool) or arg is None:
+        return arg
+    if isinstance(arg, int):
+        return arg == 1, arg % 16 == 0, -2**31 <= arg < 2**31
+    if isinstance(arg, float):
+        return float
+    return arg.base.dtype, arg.base.get_device(), tuple(arg.block_shape), arg.layout  # a TensorDescriptor
+
+
+class KernelLaunches:
+    """Compiled programs of one plain (not autotuned) kernel, keyed by what Triton would compile anew for: the
+    specialization of each runtime argument, the constexprs and the compile options. Triton's own path costs the
+    Gluon forward about 40 us of host time a call in binding and specializing; here the key is built from the
+    arguments directly and a known one launches its program through the C launcher."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.programs: dict[tuple, object] = {}
+
+    def launch(self, grid: tuple, args: tuple, constexprs: dict, **options) -> None:
+        """args: the kernel's runtime arguments and constexprs the rest, both in the kernel's order."""
+        key = (*map(_specialization, args), *constexprs.values(), *options.items())
+        program = self.programs.get(key)
+        if program is not None:
+            program[grid](*args, *constexprs.values())
+            return
+        program = self.kernel[grid](*args, **constexprs, **options)
+        if not _INTERPRET:
+            self.programs[key] = program

@@ -94,10 +94,22 @@ def test_out_in_place_and_unsupported():
     (128, 2048, True, False),
     (128, 2048, False, True),    # full attention: every tile costs the same
     (4, 100, True, False),       # fewer tiles than SMs
+    (4, 1024, True, False),      # 132 = 0 mod 4: each program would meet a single row position
+    (1, 1024, True, True),       # one row block a sequence: every tile costs the same
 ])
 def test_grid_size(num_m_tiles, num_tiles, causal, persistent):
     grid = hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, 132)
     assert grid == (132 if persistent else num_tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [12, 10, 7])
+def test_persistent_causal_row_order(programs):
+    # Persistent causal programs with row groups of 4, 2 and 1 (8 row tiles a sequence): every tile must be
+    # computed exactly once whatever order _tile hands the row blocks out in.
+    lens = [1000, 129, 640, 383, 1024]
+    _check(lens, lens, 4, 2, 128, True, PROGRAMS=programs)
+    _check(lens, lens, 4, 4, 64, True, PROGRAMS=programs)
 
 
 def test_cpu_tensors_are_not_supported():
@@ -105,3 +117,40 @@ def test_cpu_tensors_are_not_supported():
     q = torch.randn(8, 2, 64, dtype=torch.float16)
     assert not hopper.supported(q, q, q)
     assert not hopper.supported(q, q, q, q)
+
+
+@pytest.mark.gpu
+def test_repeated_calls_launch_the_kept_program():
+    # Later calls of a signature launch the kept program (kernels.launches.KernelLaunches) and must compute the
+    # same on fresh data; 513 query rows (not a multiple of 16, which Triton specializes on) are a new signature.
+    programs = hopper_prefill._LAUNCHES.programs
+    programs.clear()  # other tests' signatures (Triton keeps the compiled code)
+    _check([304, 208], [304, 208], 4, 2, 128, True)
+    assert len(programs) == 1
+    _check([304, 208], [304, 208], 4, 2, 128, True)
+    assert len(programs) == 1
+    _check([304, 209], [304, 209], 4, 2, 128, True)
+    assert len(programs) == 2
+
+
+def test_launch_keys_split_where_triton_specializes():
+    # kernels.launches.KernelLaunches keeps one program per key it builds from the arguments: two arguments it keys
+    # alike must be ones Triton 3.6 (the Gluon kernels' version) compiles alike.
+    import triton
+
+    if not triton.__version__.startswith(hopper.GLUON_VERSION) or hopper.GLUON_ERROR is not None:
+        pytest.skip(f"the Gluon kernels run on Triton {hopper.GLUON_VERSION}x only")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    from kernels.launches import _specialization
+    flat = torch.empty(4096, dtype=torch.bfloat16)
+    rows = flat[:64 * 2 * 16].view(64, 2, 16)
+    samples = [0, 1, 2, 15, 16, 17, 48, 2**31 - 16, 2**31 - 1, 2**31, 2**32 + 16, -16, 0.5, 1.0, flat, flat[1:],
+               flat[8:], flat.float(), torch.empty(8, dtype=torch.int32), hopper.rows_descriptor(rows, 64),
+               hopper.rows_descriptor(flat[:65 * 32].view(65, 2, 16), 64), hopper.rows_descriptor(rows, 128)]
+    triton_key = lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)  # noqa: E731
+    for a in samples:
+        for b in samples:
+            if _specialization(a) == _specialization(b):
+                assert triton_key(a) == triton_key(b), (a, b)
