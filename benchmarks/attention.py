@@ -104,8 +104,9 @@ def _peak_memory(fn, layout, seqlen, nheads, head_dim):
 
 
 def _varlen_row(nheads=16, head_dim=128, causal=True):
-    """64 random-length sequences vs a fixed-length batch with the same number of tokens (forward)."""
-    lens = torch.randint(64, 2049, (64,)).tolist()
+    """64 random-length sequences (the same draw every run) vs a fixed-length batch with the same number of tokens
+    (forward)."""
+    lens = torch.randint(64, 2049, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     total = sum(lens)
     cu = torch.zeros(65, dtype=torch.int32, device="cuda")
     cu[1:] = torch.tensor(lens, device="cuda").cumsum(0)

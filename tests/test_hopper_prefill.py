@@ -98,8 +98,9 @@ def test_out_in_place_and_unsupported():
     (1, 1024, True, True),       # one row block a sequence: every tile costs the same
 ])
 def test_grid_size(num_m_tiles, num_tiles, causal, persistent):
-    grid = hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, 132)
+    grid = hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, False, 132)
     assert grid == (132 if persistent else num_tiles)
+    assert hopper_prefill._grid_size(num_m_tiles, num_tiles, causal, True, 132) == num_tiles  # ragged
 
 
 @pytest.mark.gpu
