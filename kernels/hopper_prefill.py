@@ -22,6 +22,7 @@ import math
 
 import torch
 import triton
+import triton.language as tl
 
 from kernels.hopper import (
     GLUON_ERROR,
@@ -49,9 +50,9 @@ def _tile_config(head_dim: int, causal: bool) -> dict:
     (causal 8192: 414 against 430 TFLOP/s without), the deeper ring is free."""
     if head_dim == 128:
         return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 2, "PINGPONG": True, "PERSISTENT": True,
-                "TMA_STORE": True, "maxnreg": 168}
+                "TMA_STORE": True, "TILE_LIST": True, "maxnreg": 168}
     return {"BLOCK_M": 64, "BLOCK_N": 128, "STAGES": 3, "PINGPONG": False, "PERSISTENT": True, "TMA_STORE": True,
-            "maxnreg": 168}
+            "TILE_LIST": True, "maxnreg": 168}
 
 
 def _grid_size(num_m_tiles: int, num_tiles: int, causal: bool, ragged: bool, num_sms: int) -> int:
@@ -83,25 +84,75 @@ def _row_group(num_m_tiles: int, grid: int) -> int:
     return math.gcd(grid % num_m_tiles, num_m_tiles)
 
 
+@triton.jit
+def _ragged_tiles_kernel(cu_seqlens_q, tile_list, num_batches, num_heads, num_slots, ROWS: tl.constexpr,
+                         BLOCK_B: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program b lists sequence b's work tiles (n_b row tiles of ROWS rows, each head): entry num_heads * (tiles of
+    the sequences before b) + head * n_b + i is (b << 32) | (head << 16) | (n_b - 1 - i), the highest rows of
+    each head first. The last program marks the unused entries up to num_slots with -1."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_B)
+    seqs = offs < num_batches
+    lens = tl.load(cu_seqlens_q + offs + 1, mask=seqs, other=0) - tl.load(cu_seqlens_q + offs, mask=seqs, other=0)
+    n = (lens + ROWS - 1) // ROWS
+    first = num_heads * tl.sum(tl.where(offs < b, n, 0), 0)
+    n_b = tl.sum(tl.where(offs == b, n, 0), 0)
+    for i0 in range(0, num_heads * n_b, BLOCK_T):
+        i = i0 + tl.arange(0, BLOCK_T)
+        entry = (b.to(tl.int64) << 32) | ((i // n_b).to(tl.int64) << 16) | (n_b - 1 - i % n_b).to(tl.int64)
+        tl.store(tile_list + first + i, entry, mask=i < num_heads * n_b)
+    if b == num_batches - 1:
+        for i0 in range(first + num_heads * n_b, num_slots, BLOCK_T):
+            i = i0 + tl.arange(0, BLOCK_T)
+            tl.store(tile_list + i, tl.full([BLOCK_T], -1, tl.int64), mask=i < num_slots)
+
+
+_RAGGED_LAUNCHES = KernelLaunches(_ragged_tiles_kernel)
+
+
+def _ragged_tiles(cu_seqlens_q, num_heads: int, total_q: int, rows: int) -> tuple[torch.Tensor, int]:
+    """The work tiles of a batch of sequences of different lengths, listed on the device (no host sync): the
+    list has a slot for every tile the batch can have (a sequence of L rows has ceil(L / rows) tiles, at most
+    total_q / rows + batch in all), so the launch needs no lengths on the host; a program per slot. Launching a
+    program per (row tile of the longest sequence, head, sequence) instead, most of them empty for short
+    sequences, cost 1.4 us per empty program on an SM (64 sequences of 64..2048 tokens: 16,384 programs for
+    8,912 tiles)."""
+    batch = cu_seqlens_q.numel() - 1
+    slots = num_heads * (triton.cdiv(total_q, rows) + batch)
+    tiles = torch.empty(slots, dtype=torch.int64, device=cu_seqlens_q.device)
+    _RAGGED_LAUNCHES.launch((batch, 1, 1), (cu_seqlens_q, tiles, batch, num_heads, slots),
+                            dict(ROWS=rows, BLOCK_B=triton.next_power_of_2(batch + 1), BLOCK_T=1024))
+    return tiles, slots
+
+
 if GLUON_ERROR is None:
 
     @gluon.jit
-    def _tile(t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    def _tile(t, sched, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              TILE_LIST: gl.constexpr):
         """Work tile t: 2 * BLOCK_M query rows from m0 of one (head, sequence). The row blocks of one head vary
         fastest, so the programs running at once share few heads' K/V and find them in L2 (heads fastest
         instead streamed every head's K/V from HBM: N=2048 hd128 causal fell from 443 to 315 TFLOP/s); within a
         head the highest row blocks come first, since under causal masking they carry the most keys.
         n_blocks >= 1 even when no row of the tile sees a key: that block is then fully masked, and the rows
         come out 0 with lse -inf like any other. row_group (see _row_group; 1 keeps the order) pairs long and
-        short row blocks for the programs of a persistent causal launch."""
-        pos = t % num_m_tiles
-        group = pos // row_group
-        in_group = pos % row_group
-        in_group += (group % 2) * (row_group - 1 - 2 * in_group)  # odd groups in reverse
-        m0 = (num_m_tiles - 1 - group * row_group - in_group) * (2 * BLOCK_M)
-        head = (t // num_m_tiles) % num_heads
-        batch = t // (num_m_tiles * num_heads)
+        short row blocks for the programs of a persistent causal launch. TILE_LIST: tile t is entry t of
+        _ragged_tiles' list instead (the same order, without the empty tiles of short sequences)."""
+        cu_seqlens_q, cu_seqlens_k, tile_list, num_heads, num_m_tiles, row_group, _ = sched
+        if TILE_LIST:
+            entry = gl.load(tile_list + t)
+            batch = (gl.maximum(entry, 0) >> 32).to(gl.int32)
+            head = ((entry >> 16) & 0xFFFF).to(gl.int32)
+            # An unused entry (-1) gets a row past any sequence: the tile is skipped.
+            m0 = (entry & 0xFFFF).to(gl.int32) * (2 * BLOCK_M) + (entry < 0).to(gl.int32) * (1 << 30)
+        else:
+            pos = t % num_m_tiles
+            group = pos // row_group
+            in_group = pos % row_group
+            in_group += (group % 2) * (row_group - 1 - 2 * in_group)  # odd groups in reverse
+            m0 = (num_m_tiles - 1 - group * row_group - in_group) * (2 * BLOCK_M)
+            head = (t // num_m_tiles) % num_heads
+            batch = t // (num_m_tiles * num_heads)
         q_start = gl.load(cu_seqlens_q + batch)
         seqlen_q = gl.load(cu_seqlens_q + batch + 1) - q_start
         k_start = gl.load(cu_seqlens_k + batch)
@@ -117,9 +168,8 @@ if GLUON_ERROR is None:
         return m0, head, q_start, seqlen_q, k_start, seqlen_k, n_blocks
 
     @gluon.jit
-    def _loader(descs, bufs, bars, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group,
-                group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                IS_CAUSAL: gl.constexpr):
+    def _loader(descs, bufs, bars, sched, group_size, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, TILE_LIST: gl.constexpr):
         """One warp: per tile, both consumers' Q (once the last tile's is released), then the tile's K/V
         blocks through the ring. Ring slot and phase run on across tiles, like the consumers'."""
         q_desc, k_desc, v_desc = descs
@@ -127,10 +177,9 @@ if GLUON_ERROR is None:
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = bars[0], bars[1], bars[2], bars[3], bars[4], bars[5]
         kv_idx = 0
         tile_i = 0
-        for t in range(gl.program_id(0), num_m_tiles * num_heads * num_batches, gl.num_programs(0)):
-            m0, head, q_start, seqlen_q, k_start, seqlen_k, n_blocks = _tile(
-                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M, BLOCK_N,
-                IS_CAUSAL)
+        for t in range(gl.program_id(0), sched[6], gl.num_programs(0)):
+            m0, head, q_start, seqlen_q, k_start, seqlen_k, n_blocks = _tile(t, sched, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                                            TILE_LIST)
             if m0 < seqlen_q:
                 # A fresh mbarrier counts as having completed the phase before 0: the first lap does not wait.
                 for wg in gl.static_range(2):
@@ -186,10 +235,10 @@ if GLUON_ERROR is None:
             mbarrier.arrive(turn_bars.index(1 - WG))
 
     @gluon.jit
-    def _consumer(bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                  num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, WG: gl.constexpr,
-                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr):
+    def _consumer(bufs, bars, o_desc, out_ptr, lse_ptr, sched, qk_scale, total_q, stride_o_tok, stride_o_h,
+                  WG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr, TMA_STORE: gl.constexpr,
+                  TILE_LIST: gl.constexpr):
         """One warpgroup: per tile, rows [m0 + WG * BLOCK_M, + BLOCK_M) against the tile's key blocks."""
         q_bufs, k_bufs, v_bufs, o_bufs = bufs
         q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars = bars
@@ -207,10 +256,9 @@ if GLUON_ERROR is None:
         kv_idx = 0  # ring position of the tile's block 0
         turn = 0
         tile_i = 0
-        for t in range(gl.program_id(0), num_m_tiles * num_heads * num_batches, gl.num_programs(0)):
-            m0, head, q_start, seqlen_q, _, seqlen_k, n_blocks = _tile(
-                t, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches, num_m_tiles, row_group, BLOCK_M, BLOCK_N,
-                IS_CAUSAL)
+        for t in range(gl.program_id(0), sched[6], gl.num_programs(0)):
+            m0, head, q_start, seqlen_q, _, seqlen_k, n_blocks = _tile(t, sched, BLOCK_M, BLOCK_N, IS_CAUSAL,
+                                                                      TILE_LIST)
             if m0 < seqlen_q:
                 m_start = m0 + WG * BLOCK_M
                 causal_offset = seqlen_k - seqlen_q
@@ -291,11 +339,11 @@ if GLUON_ERROR is None:
         tma.store_wait(0)  # shared memory must outlive the last bulk store
 
     @gluon.jit
-    def _hopper_attn_fwd(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, qk_scale,
-                         total_q, num_heads, num_batches, num_m_tiles, row_group, group_size, stride_o_tok, stride_o_h,
-                         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _hopper_attn_fwd(q_desc, k_desc, v_desc, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, tile_list,
+                         qk_scale, total_q, num_heads, num_m_tiles, row_group, num_tiles, group_size, stride_o_tok,
+                         stride_o_h, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                          STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, PINGPONG: gl.constexpr,
-                         TMA_STORE: gl.constexpr):
+                         TMA_STORE: gl.constexpr, TILE_LIST: gl.constexpr):
         """Programs stride over the work tiles (persistent when the grid is smaller than the tile count):
         the loader fetches the next tile's Q and first K/V blocks while the consumers finish this one."""
         dtype: gl.constexpr = q_desc.dtype
@@ -327,17 +375,16 @@ if GLUON_ERROR is None:
 
         bufs = (q_bufs, k_bufs, v_bufs, o_bufs)
         bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, turn_bars)
+        sched = (cu_seqlens_q, cu_seqlens_k, tile_list, num_heads, num_m_tiles, row_group, num_tiles)
         # Default partition (these 4 warps): consumer 0. Workers: consumer 1 (4 warps, all the registers it
         # asks for) and the loader (1 warp, the minimum 24 registers per thread).
         gl.warp_specialize([
-            (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                         num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, 0, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
-            (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                         num_m_tiles, row_group, qk_scale, total_q, stride_o_tok, stride_o_h, 1, HEAD_DIM, BLOCK_M,
-                         BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE)),
-            (_loader, ((q_desc, k_desc, v_desc), bufs, bars, cu_seqlens_q, cu_seqlens_k, num_heads, num_batches,
-                       num_m_tiles, row_group, group_size, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL)),
+            (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, sched, qk_scale, total_q, stride_o_tok, stride_o_h, 0,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE, TILE_LIST)),
+            (_consumer, (bufs, bars, o_desc, out_ptr, lse_ptr, sched, qk_scale, total_q, stride_o_tok, stride_o_h, 1,
+                         HEAD_DIM, BLOCK_M, BLOCK_N, STAGES, IS_CAUSAL, PINGPONG, TMA_STORE, TILE_LIST)),
+            (_loader, ((q_desc, k_desc, v_desc), bufs, bars, sched, group_size, HEAD_DIM, BLOCK_M, BLOCK_N, STAGES,
+                       IS_CAUSAL, TILE_LIST)),
         ], [4, 1], [240, 24])
 
 
@@ -373,17 +420,22 @@ def hopper_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     num_m_tiles = triton.cdiv(max_seqlen_q, 2 * block_m)
     num_tiles = num_m_tiles * nheads * batch
     ragged = total_q != batch * max_seqlen_q or k.shape[0] != batch * max_seqlen_k
+    listed = ragged and cfg["TILE_LIST"]
+    tile_list = cu_seqlens_q  # unread unless listed
+    if listed:
+        tile_list, num_tiles = _ragged_tiles(cu_seqlens_q, nheads, total_q, 2 * block_m)
     grid = _grid_size(num_m_tiles, num_tiles, bool(causal), ragged, _num_sms(q.device)) if cfg["PERSISTENT"] else \
         num_tiles
     grid = min(cfg.get("PROGRAMS") or grid, num_tiles)  # PROGRAMS: tests run persistent programs on small inputs
-    row_group = _row_group(num_m_tiles, grid) if causal and grid < num_tiles else 1
+    row_group = _row_group(num_m_tiles, grid) if causal and grid < num_tiles and not listed else 1
     q_desc = rows_descriptor(q, block_m)
     o_desc = rows_descriptor(out, block_m) if tma_store else q_desc  # unread without TMA_STORE
     _LAUNCHES.launch(
         (grid, 1, 1),
         (q_desc, rows_descriptor(k, block_n), rows_descriptor(v, block_n), o_desc, out, lse, cu_seqlens_q,
-         cu_seqlens_k, softmax_scale * _LOG2E, total_q, nheads, batch, num_m_tiles, row_group, nheads // k.shape[1],
-         out.stride(0), out.stride(1)),
+         cu_seqlens_k, tile_list, softmax_scale * _LOG2E, total_q, nheads, num_m_tiles, row_group, num_tiles,
+         nheads // k.shape[1], out.stride(0), out.stride(1)),
         dict(HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=cfg["STAGES"], IS_CAUSAL=bool(causal),
-             PINGPONG=cfg["PINGPONG"], TMA_STORE=tma_store), num_warps=4, maxnreg=cfg["maxnreg"])
+             PINGPONG=cfg["PINGPONG"], TMA_STORE=tma_store, TILE_LIST=listed),
+        num_warps=4, maxnreg=cfg["maxnreg"])
     return out, lse

@@ -109,8 +109,20 @@ def test_persistent_causal_row_order(programs):
     # Persistent causal programs with row groups of 4, 2 and 1 (8 row tiles a sequence): every tile must be
     # computed exactly once whatever order _tile hands the row blocks out in.
     lens = [1000, 129, 640, 383, 1024]
-    _check(lens, lens, 4, 2, 128, True, PROGRAMS=programs)
-    _check(lens, lens, 4, 4, 64, True, PROGRAMS=programs)
+    _check(lens, lens, 4, 2, 128, True, PROGRAMS=programs, TILE_LIST=False)
+    _check(lens, lens, 4, 4, 64, True, PROGRAMS=programs, TILE_LIST=False)
+    _check(lens, lens, 4, 2, 128, True, PROGRAMS=programs)  # persistent programs over the ragged batch's list
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_ragged_tile_list(causal):
+    # Ragged batches run the listed tiles only: empty and one-token sequences, a sequence alone in its tile, the
+    # long one; and the same batch as a program per (row tile, head, sequence).
+    lens = [2048, 0, 1, 63, 64, 129, 0, 700]
+    _check(lens, lens, 8, 2, 128, causal)
+    _check(lens, lens, 8, 2, 128, causal, TILE_LIST=False)
+    _check(lens, [n + 20 for n in lens], 8, 8, 64, causal)
 
 
 def test_cpu_tensors_are_not_supported():
@@ -155,3 +167,17 @@ def test_launch_keys_split_where_triton_specializes():
         for b in samples:
             if _specialization(a) == _specialization(b):
                 assert triton_key(a) == triton_key(b), (a, b)
+
+
+@pytest.mark.parametrize("lens", [[300, 0, 1, 128, 129, 5], [0], [1000], list(range(0, 520, 13))])
+def test_ragged_tiles_list_every_tile_once(lens):
+    # The list builder (a Triton kernel: the interpreter runs it in CI) against the order it documents.
+    import triton
+
+    nheads, rows = 3, 128
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tiles, slots = hopper_prefill._ragged_tiles(cu_seqlens(lens, device), nheads, sum(lens), rows)
+    expected = [(b << 32) | (h << 16) | (triton.cdiv(n, rows) - 1 - i)
+                for b, n in enumerate(lens) for h in range(nheads) for i in range(triton.cdiv(n, rows))]
+    assert slots == nheads * (triton.cdiv(sum(lens), rows) + len(lens)) >= len(expected)
+    assert tiles.tolist() == expected + [-1] * (slots - len(expected))
