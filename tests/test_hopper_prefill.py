@@ -1,8 +1,9 @@
 """The Gluon warp-specialized Hopper forward (kernels/hopper_prefill.py) against the float32 reference. These need
-an sm_90 GPU with Triton 3.6; elsewhere kernels.hopper.supported says False and the tests skip (CI only imports
-the module)."""
+an sm_90 GPU with Triton 3.6; elsewhere kernels.hopper.supported says False and the tests skip. CI runs the
+host-side ones: grid sizes and the ragged batches' tile list (a Triton kernel, in the interpreter)."""
 import pytest
 import torch
+import triton
 
 from kernels import hopper, hopper_prefill
 from kernels.reference import varlen_attention_ref
@@ -149,8 +150,6 @@ def test_repeated_calls_launch_the_kept_program():
 def test_launch_keys_split_where_triton_specializes():
     # kernels.launches.KernelLaunches keeps one program per key it builds from the arguments: two arguments it keys
     # alike must be ones Triton 3.6 (the Gluon kernels' version) compiles alike.
-    import triton
-
     if not triton.__version__.startswith(hopper.GLUON_VERSION) or hopper.GLUON_ERROR is not None:
         pytest.skip(f"the Gluon kernels run on Triton {hopper.GLUON_VERSION}x only")
     from triton._C.libtriton import native_specialize_impl
@@ -172,8 +171,6 @@ def test_launch_keys_split_where_triton_specializes():
 @pytest.mark.parametrize("lens", [[300, 0, 1, 128, 129, 5], [0], [1000], list(range(0, 520, 13))])
 def test_ragged_tiles_list_every_tile_once(lens):
     # The list builder (a Triton kernel: the interpreter runs it in CI) against the order it documents.
-    import triton
-
     nheads, rows = 3, 128
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tiles, slots = hopper_prefill._ragged_tiles(cu_seqlens(lens, device), nheads, sum(lens), rows)
