@@ -69,6 +69,17 @@ class Settings(BaseSettings):
     max_waiting_requests: int = Field(512, description="beyond this, 429")
     max_request_bytes: int = Field(1 << 20, description="request body limit")
     max_stop_sequences: int = 16
+    max_request_sequences: int = Field(256, ge=1, description="sequences one request may ask for: prompts x n (or "
+                                       "best_of); beyond, 422")
+    max_request_tokens: int = Field(262144, ge=1, description="tokens one request may ask for: its prompts' tokens "
+                                    "plus max_tokens for each of its sequences; beyond, 422")
+    max_grammar_bytes: int = Field(65536, ge=1, description="longest JSON schema or regular expression a request "
+                                   "may constrain its output with; beyond, 400")
+    grammar_compile_timeout: float = Field(10.0, gt=0, description="seconds a grammar may take to compile; beyond, "
+                                           "the request gets 400 and the same grammar is refused at once from then on")
+    grammar_cache_bytes: int = Field(128 << 20, ge=1 << 20, description="memory for compiled grammars: the cache "
+                                     "of recent ones (least recently used go first), and as much again for those "
+                                     "of running requests (a request whose grammar does not fit waits)")
     max_concurrent_requests: int = Field(4096, ge=1, description="requests one front-end serves at once; beyond, "
                                          "503 (each holds a connection and a file descriptor)")
     header_timeout: float = Field(10.0, gt=0, description="seconds a connection has to send a request's headers, "

@@ -30,7 +30,8 @@ from service.config import Settings, default_api_server_count, load_settings, us
 
 log = logging.getLogger("service.launcher")
 CORE_DEATH_GRACE = 2.0  # seconds the front-ends keep answering (errors, 503) after the core died
-STOP_TIMEOUT = 60.0  # front-ends drain for 30 s; past this they are killed
+STOP_TIMEOUT = 60.0  # seconds an engine core has to stop; past this it is killed
+STOP_MARGIN = 30.0  # seconds a front-end has beyond drain_seconds (server.SHUTDOWN_GRACE, exit) before a kill
 
 
 def configure_logging(level: str) -> None:
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
         if stopping:
             log.info("received %s: draining", signal.Signals(stopping[0]).name)
     finally:
-        _stop(frontends, STOP_TIMEOUT)
+        _stop(frontends, settings.drain_seconds + STOP_MARGIN)
         for _, keep_alive in lifelines:
             keep_alive.close()
         _stop(cores, STOP_TIMEOUT, terminate=False)

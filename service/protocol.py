@@ -87,6 +87,7 @@ class AddRequest(msgspec.Struct, tag=True, array_like=True):
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
+    group: str = ""  # whose share of a step it counts against (one HTTP request, or one OpenAI `user`); "": its own
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -134,6 +135,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     cached_prompt_tokens: int = 0  # on the first token
     queue_seconds: float | None = None  # on the first token: how long the request waited to be scheduled
     error: str | None = None  # the request failed inside the engine (HTTP 500)
+    error_code: str | None = None  # "invalid_grammar": failed on its grammar, which allows no token (HTTP 400)
 
 
 class StepOutputs(msgspec.Struct, tag=True, array_like=True):

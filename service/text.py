@@ -3,6 +3,7 @@ in the HTTP front-ends and the offline LLM (the engine core reads its EOS id fro
 the tokenizer only for grammars)."""
 import json
 import re
+import secrets
 from pathlib import Path
 
 from tokenizers.decoders import DecodeStream
@@ -37,49 +38,103 @@ def eos_token_id(model_dir) -> int | None:
 
 
 class ChatTemplateError(ValueError):
-    """The chat cannot be rendered, or not without letting message text become control tokens."""
+    """The chat cannot be rendered, or not without letting a client's text become control tokens."""
+
+
+def chat_text(*values) -> str:
+    """Every string in values (dict keys included), joined: all the text a client put into a chat, for a check of
+    its size before it is rendered. Iterative: a JSON body nests deeper than Python's recursion reaches."""
+    strings, stack = [], list(values)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            strings.append(item)
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            stack += item
+    return "".join(strings)
 
 
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **template_args) -> list[int]:
     """Token ids of a conversation rendered by the model's chat template, in which only the template's own markup
-    becomes special tokens: a message saying "<|im_end|>" gets those characters, never the control token (else a
-    user could close their turn and forge a system or assistant one).
+    becomes special tokens: no string of the client's does (a message's text, a call's name or arguments, a tool's
+    description...: template_args, the tools, are the client's too). A message saying "<|im_end|>" gets those
+    characters, never the control token (else a user could close their turn and forge a system or assistant one).
 
-    The template is rendered twice: with the messages, and with a marker in place of each text. The markers cut
-    the markup from the texts; the texts are then encoded with special tokens taken literally. A template that
-    rewrites texts (trims them, say) is matched with the trimmed texts; one that rewrites them otherwise is
-    encoded as a whole, unless a text holds a special token's spelling, which is then refused."""
-    def render(msgs):
+    The template is rendered twice: as asked, and with a marker in place of each message text and of every other
+    string that holds a special token's spelling. The markers cut the markup from those strings, which are then
+    encoded with special tokens taken literally; the rest (tools, calls without such spellings) is encoded with the
+    markup, as Hugging Face's apply_chat_template(tokenize=True) encodes it. A marker's string is found as the
+    template prints it: as it is, trimmed, or escaped by tojson. A template that rewrites the strings otherwise is
+    encoded as a whole, unless one of them holds a special token's spelling, which is then refused."""
+    def render(msgs, args):
         try:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                 **template_args)
+                                                 **args)
         except Exception as e:  # the template's own checks (roles must alternate, ...) raise here
             raise ChatTemplateError(str(e)) from None
 
-    text = render(messages)
-    texts = {i: m["content"] for i, m in enumerate(messages) if isinstance(m.get("content"), str) and m["content"]}
+    text = render(messages, template_args)
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    # Private-use characters, which tojson keeps as they are; the nonce keeps a client from spelling a marker.
+    marker = f"\ue000{secrets.token_hex(8)}:{{}}\ue001"
+    fields = []  # (field, string) of each marker
+
+    def mark(value, field: str, always: bool = False):
+        if isinstance(value, str):
+            if not (always and value) and not any(t in value for t in specials):
+                return value
+            fields.append((field, value))
+            return marker.format(len(fields) - 1)
+        if isinstance(value, dict):
+            return {mark(k, field): mark(v, f"{field}.{k}") for k, v in value.items()}
+        if isinstance(value, list):
+            return [mark(v, f"{field}.{i}") for i, v in enumerate(value)]
+        return value
+
+    # Message texts are cut out even without such spellings (as the model's replies were generated after the
+    # markup, not merged with it): the generation prompt's tokens then stay a prefix of the conversation that
+    # goes on from it, which fine-tuning's loss masks rely on.
     try:
-        marked = render([{**m, "content": f"\x00{i}\x00"} if i in texts else m for i, m in enumerate(messages)])
-    except ChatTemplateError:  # the template looks into the texts
-        marked = ""
-    parts = re.split("\x00([0-9]+)\x00", marked)
-    for rewrite in (str, str.strip):
-        if marked and "".join(p if j % 2 == 0 else rewrite(texts[int(p)]) for j, p in enumerate(parts)) == text:
-            ids = []
-            for j, part in enumerate(parts):
-                if j % 2 == 0:
-                    ids += tokenizer.encode(part, add_special_tokens=False)
-                else:
-                    ids += tokenizer.encode(rewrite(texts[int(part)]), add_special_tokens=False,
-                                            split_special_tokens=True)
-            return ids
-    specials = [t for t in tokenizer.all_special_tokens + list(tokenizer.get_added_vocab()) if t]
-    for i, content in texts.items():
-        found = next((t for t in specials if t in content), None)
+        marked_messages = [{k: mark(v, f"messages.{i}.{k}", always=k == "content") for k, v in m.items()}
+                           for i, m in enumerate(messages)]
+        marked_args = {k: mark(v, k) for k, v in template_args.items()}
+    except RecursionError:  # unmarked strings could be left deeper down
+        raise ChatTemplateError("the messages or tools are nested too deeply") from None
+    try:
+        marked = render(marked_messages, marked_args)
+    except ChatTemplateError:  # the template looks into the strings
+        marked = None
+    parts = None if marked is None else re.split(marker.format("([0-9]+)"), marked)
+    pieces = parts and _pieces(text, parts, [s for _, s in fields])
+    if pieces:  # markup at even places, the client's strings at odd ones
+        return [i for j, piece in enumerate(pieces)
+                for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=j % 2 == 1)]
+    for field, string in fields:
+        found = next((t for t in specials if t in string), None)
         if found is not None:
-            raise ChatTemplateError(f"messages.{i}.content holds the special token {found!r}, which this model's "
-                                    "chat template would not keep as text")
+            raise ChatTemplateError(f"{field} holds the special token {found!r}, which this model's chat template "
+                                    "would not keep as text")
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _pieces(text: str, parts: list[str], strings: list[str]) -> list[str] | None:
+    """text cut as the marked rendering's parts cut it (markup, marker number, markup, ...), each marker's string
+    as the template printed it; None where the parts do not rebuild text."""
+    pieces, at = [], 0
+    for j, part in enumerate(parts):
+        if j % 2:
+            s, follow = strings[int(part)], parts[j + 1]
+            printed = (s, s.strip(), json.dumps(s, ensure_ascii=False)[1:-1])
+            part = next((p for p in printed if text.startswith(p + follow, at)), None)
+            if part is None:
+                return None
+        elif not text.startswith(part, at):
+            return None
+        pieces.append(part)
+        at += len(part)
+    return pieces if at == len(text) else None
 
 
 class TextStream:

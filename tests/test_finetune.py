@@ -1,6 +1,7 @@
-"""Fine-tuning: data masks, LoRA serving of mixed batches, and the OpenAI files + fine_tuning.jobs API driven by
-the official openai client against a real server (a tiny random model on the CPU: the model's PyTorch reference
-attention there; our Triton kernels are checked by the gpu test at the end)."""
+"""Fine-tuning: data masks, LoRA serving of mixed batches, adapters served only on their own base model, and the
+OpenAI files + fine_tuning.jobs API driven by the official openai client against a real server (a tiny random
+model on the CPU: the model's PyTorch reference attention there; our Triton kernels are checked by the gpu test
+at the end)."""
 import json
 import math
 import shutil
@@ -15,8 +16,19 @@ from safetensors.torch import save_file
 from service.config import DEFAULT_MODEL_DIR
 from service.finetune.data import parse_jsonl, tokenize, tokenize_records
 from service.model import LlamaForCausalLM, ModelConfig
+from service.model.fingerprint import fingerprint
 from service.model.loader import load_model
-from service.model.lora import Adapter, LoRAConfig, activate, add_adapter, install, serving_adapters
+from service.model.lora import (
+    Adapter,
+    AdapterMismatch,
+    LoRAConfig,
+    activate,
+    add_adapter,
+    install,
+    saved_base,
+    serving_adapters,
+)
+from service.model.parallel import TensorParallel
 from service.text import load_tokenizer
 from tests.helpers import rel_err
 from tests.server import serve
@@ -313,6 +325,8 @@ def test_auto_tool_choice_parses_the_calls_a_model_makes(server, trained, tokeni
 
 
 def test_a_restarted_server_lists_and_serves_finished_jobs(server, trained, model_dir, finetune_dir):
+    adapter = finetune_dir / "jobs" / trained[2].id / "adapter.safetensors"
+    assert saved_base(adapter) == fingerprint(load_model(model_dir, torch.float32, "cpu"))
     client = _client(server)
     before = {j.id: j.status for j in client.fine_tuning.jobs.list(limit=100).data}
     with serve(model=str(model_dir), finetune_dir=str(finetune_dir)) as url:
@@ -323,6 +337,107 @@ def test_a_restarted_server_lists_and_serves_finished_jobs(server, trained, mode
         assert model in [m.id for m in client.models.list().data]
         assert _greedy(client, model).startswith(PHRASE[:20])
         assert trained[1].id in [f.id for f in client.files.list().data]
+
+
+# -- adapters serve only their own base model -------------------------------------------------------------
+def test_the_fingerprint_is_the_checkpoints_whatever_the_dtype_or_split(model_dir):
+    base = fingerprint(load_model(model_dir, torch.float32, "cpu"))
+    assert fingerprint(load_model(model_dir, torch.bfloat16, "cpu")) == base
+    assert fingerprint(load_model(model_dir, torch.float32, "cpu", TensorParallel(0, 2))) == base
+    with pytest.raises(ValueError, match="rank 0"):
+        fingerprint(load_model(model_dir, torch.float32, "cpu", TensorParallel(1, 2)))
+    tuned = load_model(model_dir, torch.float32, "cpu")
+    with torch.no_grad():  # what a fine-tune of it (the same shapes) does to its weights
+        for p in tuned.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    assert {k for k, v in fingerprint(tuned).items() if v != base[k]} == {"weights"}
+
+
+def test_add_adapter_refuses_shapes_that_do_not_fit(model_dir):
+    embedded = load_model(DEFAULT_MODEL_DIR, torch.float32, "cpu")
+    tiny = load_model(model_dir, torch.float32, "cpu")  # hidden size 64, the embedded model's 320
+    for config in (LoRAConfig(rank=4), LoRAConfig(full=True, targets=("o_proj",))):
+        with pytest.raises(AdapterMismatch, match="model.layers.0.* has shapes .* projection needs"):
+            add_adapter(embedded, "tiny", Adapter.init(tiny, config))
+    bad_rank = Adapter.init(embedded, LoRAConfig(rank=4, targets=("v_proj",)))
+    bad_rank.config = LoRAConfig(rank=8, targets=("v_proj",))
+    with pytest.raises(AdapterMismatch, match="v_proj has shapes"):
+        add_adapter(embedded, "bad-rank", bad_rank)
+    deeper = Adapter.init(embedded, LoRAConfig(rank=4))
+    deeper.weights["model.layers.9.self_attn.q_proj"] = deeper.weights["model.layers.0.self_attn.q_proj"]
+    with pytest.raises(AdapterMismatch, match="modules the model lacks"):
+        add_adapter(embedded, "deeper", deeper)
+    assert not getattr(embedded, "lora_adapters", {})
+    # A tensor-parallel rank checks the whole adapter against the whole model's shapes, then keeps its slices.
+    sharded = load_model(model_dir, torch.float32, "cpu", TensorParallel(0, 2))
+    add_adapter(sharded, "tiny", Adapter.init(tiny, LoRAConfig(rank=4)))
+    with pytest.raises(AdapterMismatch):
+        add_adapter(sharded, "embedded", Adapter.init(embedded, LoRAConfig(rank=4)))
+
+
+def _write_succeeded_job(finetune_dir, name: str, base_model: str, adapter: Adapter, base: dict | None) -> str:
+    """A job record and its adapter as a server that fine-tuned `base_model` leaves them: the adapter saved with
+    its base's fingerprint (None: an adapter saved before fingerprints)."""
+    job_id = f"ftjob-{name:0>24}"
+    job_dir = finetune_dir / "jobs" / job_id
+    job_dir.mkdir(parents=True)
+    adapter.save(job_dir / "adapter.safetensors", {"base_model": base_model, "job": job_id}, base=base)
+    hyperparameters = {"n_epochs": 1, "batch_size": 1, "learning_rate_multiplier": 1.0}
+    method = {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}}
+    job = {"id": job_id, "object": "fine_tuning.job", "created_at": int(time.time()), "error": None,
+           "fine_tuned_model": f"{base_model}:ft-{name}", "finished_at": int(time.time()),
+           "hyperparameters": hyperparameters, "model": base_model, "organization_id": "org-local",
+           "result_files": [], "seed": 0, "status": "succeeded", "trained_tokens": 10, "training_file": "file-x",
+           "validation_file": None, "estimated_finish": None, "integrations": [], "metadata": None,
+           "user_provided_suffix": name, "method": method,
+           "extra": {"type": "lora", "lora_rank": 4, "lora_alpha": 16.0, "target_modules": list(adapter.weights),
+                     "max_steps": None, "gradient_accumulation_steps": 1, "warmup_steps": 0,
+                     "served_name": f"{base_model}:ft-{name}"}}
+    (job_dir / "job.json").write_text(json.dumps(job))
+    return job_id
+
+
+def test_a_server_serves_and_lists_only_the_adapters_of_its_own_base(model_dir, tmp_path):
+    """A finetune_dir shared with a server of another model (the default ./finetune-data): that model's adapters
+    are neither listed nor served (a 404 / 422, not the 500 of a failed step, nor garbage where the shapes agree),
+    their job records stay as they are; the adapters of our base are served, fingerprinted or not."""
+    tiny = load_model(model_dir, torch.float32, "cpu")
+    embedded = load_model(DEFAULT_MODEL_DIR, torch.float32, "cpu")
+    retrained = load_model(DEFAULT_MODEL_DIR, torch.float32, "cpu")
+    with torch.no_grad():  # the same shapes as the embedded model, other weights
+        for p in retrained.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    lora, ours, theirs = LoRAConfig(rank=4), fingerprint(embedded), fingerprint(retrained)
+    jobs = {
+        "tiny": _write_succeeded_job(tmp_path, "tiny", "tiny-llama", Adapter.init(tiny, lora), fingerprint(tiny)),
+        "tiny-old": _write_succeeded_job(tmp_path, "tiny-old", "tiny-llama", Adapter.init(tiny, lora), None),
+        "retrained": _write_succeeded_job(tmp_path, "retrained", "other", _random_adapter(retrained, lora, seed=1),
+                                          theirs),
+        "ours": _write_succeeded_job(tmp_path, "ours", "default_model", _random_adapter(embedded, lora, seed=2),
+                                     ours),
+        "ours-old": _write_succeeded_job(tmp_path, "ours-old", "default_model",
+                                         _random_adapter(embedded, lora, seed=3), None),
+    }
+    records = {job_id: (tmp_path / "jobs" / job_id / "job.json").read_text() for job_id in jobs.values()}
+    with serve(finetune_dir=str(tmp_path)) as url:
+        client = _client(url)
+        base = client.models.list().data[0].id
+        assert {m.id for m in client.models.list().data} == {base, "default_model:ft-ours", "default_model:ft-ours-old"}
+        for name in ("ours", "ours-old"):
+            assert _greedy(client, f"default_model:ft-{name}") != _greedy(client, base)
+        for name, served in (("tiny", "tiny-llama:ft-tiny"), ("tiny-old", "tiny-llama:ft-tiny-old"),
+                             ("retrained", "other:ft-retrained")):
+            with pytest.raises(openai.NotFoundError) as e:
+                _greedy(client, served)
+            assert e.value.body["code"] == "model_not_found", name
+            body = {"inputs": "Hello", "parameters": {"adapter_id": served, "max_new_tokens": 2}}
+            assert httpx.post(f"{url}/generate", json=body).status_code == 422, name
+            job = client.fine_tuning.jobs.retrieve(jobs[name])
+            assert job.status == "succeeded" and "not served here" in job.extra["not_served"], name
+        assert "shapes" in client.fine_tuning.jobs.retrieve(jobs["tiny-old"]).extra["not_served"]
+        why = client.fine_tuning.jobs.retrieve(jobs["retrained"]).extra["not_served"]
+        assert f"weights {theirs['weights']}; this server's" in why and why.endswith(f"weights {ours['weights']}")
+    assert {job_id: (tmp_path / "jobs" / job_id / "job.json").read_text() for job_id in jobs.values()} == records
 
 
 # -- GPU: training runs through our Triton kernels ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """The service as processes (CPU, embedded model): the launcher, one engine core and its HTTP front-ends over
 ZeroMQ. Two front-ends serve one core; a storm of clients that leave mid-stream leaves no KV block in use; a killed
-engine core fails its requests cleanly, /health turns 503 and the launcher exits non-zero for its supervisor."""
+engine core fails its requests cleanly, /health turns 503 and the launcher exits non-zero for its supervisor; a drain
+keeps answering new connections (429, /health 503) until its requests end, and nothing in flight ends it at once."""
 import asyncio
 import json
 import os
@@ -152,3 +153,35 @@ def test_requests_outlasting_the_drain_end_with_an_error_of_ours_not_a_cut():
         status, content_type, text = results["whole"]
         assert status == 500 and content_type == "application/json" and "shut down" in json.loads(text)["error"]
         assert service.process.wait(timeout=30) == 0
+
+
+def test_while_draining_new_connections_get_429_and_a_503_health_then_the_listener_closes():
+    # Two front-ends share the port: the idle one stops at once, the busy one keeps answering for both.
+    with service_process(api_server_count=2, drain_seconds=5) as service:
+        with httpx.stream("POST", f"{service.url}/generate_stream", json=LONG, timeout=60) as r:
+            events = sse_events(r)
+            first = json.loads(next(events))
+            service.process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the signal reached the front-ends
+            # a fresh client each: a new connection, as a load balancer's probe or a new client makes
+            with httpx.Client(timeout=10) as client:
+                health = client.get(f"{service.url}/health")
+            with httpx.Client(timeout=10) as client:
+                refused = client.post(f"{service.url}/generate", json={"inputs": "a"})
+            rest = [json.loads(e) for e in events]
+        assert health.status_code == 503 and health.json() == {"status": "unavailable"}
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error_type"] == "overloaded"
+        last = rest[-1]
+        assert first["index"] == 0 and ("details" in last or "shut down" in last.get("error", "")), last
+        assert service.process.wait(timeout=30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{service.url}/health")
+
+
+def test_a_signal_with_nothing_in_flight_stops_the_service_at_once():
+    with service_process() as service:  # the default drain: 30 s
+        start = time.monotonic()
+        service.process.send_signal(signal.SIGTERM)
+        assert service.process.wait(timeout=30) == 0
+        assert time.monotonic() - start < 5

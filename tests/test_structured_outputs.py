@@ -161,8 +161,65 @@ def test_required_tool_choice_calls_a_tool_streamed_or_not(client):
                                                  tool_choice="required", parallel_tool_calls=False, seed=4,
                                                  max_tokens=200))
     deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
-    assert deltas and all(d.function.name == "get_weather" for d in deltas)
-    _arguments(deltas[0], WEATHER)
+    # The call opens with its name, then its arguments stream as they are written.
+    assert deltas[0].id and deltas[0].function.name == "get_weather" and len(deltas) > 2
+    assert {d.index for d in deltas} == {0} and all(d.function.name is None for d in deltas[1:])
+    arguments = "".join(d.function.arguments or "" for d in deltas)
+    jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_calls_cut_short_come_back_as_generated_with_finish_reason_length(client, base_url):
+    """A forced call that max_tokens cuts short keeps what it wrote (named: the arguments so far; "required": the
+    calls whose name was written, the last with its arguments so far), streamed as it is written, and says
+    "length", never "tool_calls"."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model="tiny", messages=ASK, tools=[WEATHER], tool_choice=named, max_tokens=1)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert choice.message.tool_calls[0].function.arguments == "{"
+    for stream in (False, True):
+        for max_tokens in (4, 40):
+            r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny", "messages": ASK, "tools": [WEATHER], "tool_choice": "required",
+                "max_tokens": max_tokens, "stream": stream, "seed": 4, "temperature": 1.0})
+            assert r.status_code == 200, r.text
+            if stream:
+                chunks = [json.loads(line[5:]) for line in r.text.splitlines()
+                          if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+                deltas = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls") or []]
+                content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+                text = (deltas[0]["function"]["name"] + "".join(d["function"]["arguments"] for d in deltas)
+                        if deltas else content)
+                finish = chunks[-1]["choices"][0]["finish_reason"]
+            else:
+                message = r.json()["choices"][0]["message"]
+                calls, content = message.get("tool_calls") or [], message["content"]
+                text = calls[0]["function"]["name"] + calls[0]["function"]["arguments"] if calls else content
+                finish = r.json()["choices"][0]["finish_reason"]
+            assert finish == "length" and text, r.text  # nothing generated is dropped
+            if max_tokens == 40:  # long enough to have written the call's name
+                assert text.startswith("get_weather"), text
+
+
+def test_a_tools_parameters_must_be_an_object_and_may_refer_to_its_own_defs(client, base_url):
+    integer = {"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}
+    r = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": ASK, "tools": [integer]})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "tools.0.function.parameters", r.text
+    # $defs of a tool's parameters resolve inside the "required" array of calls, and a tool that can never be
+    # called (its parameters a $ref to itself) is a 400, not an empty reply.
+    place = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "required": ["to"], "properties": {"to": {"$ref": "#/$defs/city"}},
+        "$defs": {"city": {"enum": ["Paris", "Oslo"]}}}}}
+    out = client.chat.completions.create(model="tiny", messages=ASK, tools=[place], tool_choice="required",
+                                         parallel_tool_calls=False, max_tokens=100)
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert json.loads(out.choices[0].message.tool_calls[0].function.arguments)["to"] in ("Paris", "Oslo")
+    cycle = {"type": "function", "function": {"name": "loop", "parameters": {"$ref": "#"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "loop"}}):
+        r = httpx.post(f"{base_url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": ASK, "tools": [cycle], "tool_choice": choice, "max_tokens": 30})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
 
 
 def test_tool_history_and_none_and_auto_without_a_call(client):

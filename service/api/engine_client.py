@@ -45,7 +45,7 @@ from service.protocol import (
     encoder,
     frontend_decoder,
 )
-from service.text import TextStream, encode_chat, load_tokenizer
+from service.text import TextStream, chat_text, encode_chat, load_tokenizer
 
 log = logging.getLogger(__name__)
 INLINE_TOKENIZE_CHARS = 4096  # a few hundred microseconds of tokenizing: cheaper than a hop to a thread
@@ -71,6 +71,10 @@ class EngineStepError(RuntimeError):
 
 class EngineDead(EngineStepError):
     """The engine core is gone."""
+
+
+class GrammarDeadEnd(EngineStepError):
+    """The request's grammar allowed no token at some point of its output (HTTP 400, or an error event)."""
 
 
 class CallError(Exception):
@@ -215,7 +219,7 @@ class EngineClient:
         """Token ids of a chat (and its tools) through the model's template, its messages' text kept as text
         (service.text); raises ChatTemplateError."""
         args = {"tools": tools} if tools else {}
-        if sum(len(m.get("content") or "") for m in messages) < INLINE_TOKENIZE_CHARS:
+        if len(chat_text(messages, tools)) < INLINE_TOKENIZE_CHARS:
             return encode_chat(self.tokenizer, messages, add_generation_prompt=True, **args)
         return await asyncio.to_thread(encode_chat, self.tokenizer, messages, add_generation_prompt=True, **args)
 
@@ -297,9 +301,9 @@ class EngineClient:
 
     # -- requests ----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          adapter: str | None = None) -> list[RequestStream]:
+                          adapter: str | None = None, group: str = "") -> list[RequestStream]:
         """Admits a request into a core (_route): the streams of its params.n completions, or EngineOverloaded /
-        RequestRejected (GrammarRejected) / EngineDead."""
+        RequestRejected (GrammarRejected) / EngineDead. group: see AddRequest."""
         if not self.accepting:
             raise EngineOverloaded("the server is shutting down")
         if not self.ready:
@@ -309,11 +313,13 @@ class EngineClient:
         core = self._route(prompt_token_ids, adapter)
         admitted = asyncio.get_running_loop().create_future()
         core.admissions[request_id] = (admitted, prompt_token_ids, params)
-        self._send(core, AddRequest(request_id, prompt_token_ids, params, adapter))
+        self._send(core, AddRequest(request_id, prompt_token_ids, params, adapter, group))
         try:
             return await admitted
         finally:
             core.admissions.pop(request_id, None)
+            if admitted.cancelled():  # its client left before the core answered (a grammar compiling, say)
+                self._send(core, Abort([request_id]))
 
     def _route(self, prompt_token_ids: list[int], adapter: str | None) -> CoreLink:
         """The core for a new request. Its prompt's first full KV blocks (AFFINITY_BLOCKS of them, or all a
@@ -426,7 +432,7 @@ class EngineClient:
             if stream is None:  # aborted here after the core made this token
                 continue
             if out.error is not None:
-                stream.fail(EngineStepError(out.error))
+                stream.fail((GrammarDeadEnd if out.error_code == "invalid_grammar" else EngineStepError)(out.error))
             elif stream.push(out):
                 stopped.append(out.request_id)
             if stream.timer is not None and out.error is None:

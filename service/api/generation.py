@@ -1,6 +1,7 @@
 """What the TGI and OpenAI routes share: fitting a prompt into the context, submitting it to the engine core,
 timing its tokens, and aborting it the moment its client goes away."""
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -14,14 +15,15 @@ from service.api.engine_client import (
     EngineDead,
     EngineOverloaded,
     EngineStepError,
+    GrammarDeadEnd,
     GrammarRejected,
     RequestRejected,
     RequestStream,
     TokenOutput,
 )
-from service.api.errors import APIError, overloaded, unavailable
+from service.api.errors import APIError, ClientGone, overloaded, unavailable
 from service.metrics import RequestTimer
-from service.protocol import SamplingParams
+from service.protocol import Grammar, SamplingParams
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 json_bytes = msgspec.json.Encoder().encode  # NaN and infinities become null: the output is always JSON
@@ -72,20 +74,79 @@ async def encode_prompt(client, text: str, param: str, add_special_tokens: bool 
 
 
 def fit_context(prompt_tokens: int, max_new_tokens: int | None, default: int | None, max_model_len: int,
-                prompt_param: str, max_param: str) -> int:
-    """The number of tokens to generate: as asked, else default, else whatever room the context leaves."""
+                prompt_param: str, max_param: str, budget: int | None = None) -> int:
+    """The number of tokens to generate: as asked, else default, else whatever room the context leaves; never
+    more than `budget` (see request_budget)."""
     room = max_model_len - prompt_tokens
     if room < 1:
         raise APIError(422, f"{prompt_param}: the prompt is {prompt_tokens} tokens, but the context is "
                             f"{max_model_len} tokens including at least one generated token",
                        param=prompt_param, code="context_length_exceeded")
     if max_new_tokens is None:
-        return room if default is None else min(default, room)
+        chosen = room if default is None else min(default, room)
+        return chosen if budget is None else min(chosen, budget)
     if max_new_tokens > room:
         raise APIError(422, f"{max_param}: prompt ({prompt_tokens} tokens) + {max_param} ({max_new_tokens}) "
                             f"must be <= the context length {max_model_len}",
                        param=max_param, code="context_length_exceeded")
+    if budget is not None and max_new_tokens > budget:
+        raise APIError(422, f"{max_param}: {max_new_tokens} for each sequence exceeds this request's token budget "
+                            f"(max_request_tokens: prompts + max_tokens for every sequence); at most {budget}",
+                       param=max_param, code="invalid_value")
     return max_new_tokens
+
+
+def check_sequences(settings, prompts: int, n: int, param: str) -> None:
+    """One request may not ask for more than max_request_sequences sequences (prompts x n): beyond, it would take
+    whole steps from everyone else."""
+    if prompts * n > settings.max_request_sequences:
+        raise APIError(422, f"{param}: {prompts} prompt(s) x {n} = {prompts * n} sequences; one request may ask for "
+                            f"at most {settings.max_request_sequences} (max_request_sequences)",
+                       param=param, code="invalid_value")
+
+
+def request_budget(settings, prompts: list[list[int]], n: int, prompt_param: str) -> int:
+    """The most tokens each of a request's sequences may generate within max_request_tokens, which counts its
+    prompts' tokens and max_tokens for every sequence."""
+    budget = (settings.max_request_tokens - sum(map(len, prompts))) // (len(prompts) * n)
+    if budget < 1:
+        raise APIError(422, f"{prompt_param}: the request's prompts leave no room to generate within its token "
+                            f"budget of {settings.max_request_tokens} (max_request_tokens)",
+                       param=prompt_param, code="invalid_value")
+    return budget
+
+
+def check_grammar(grammar: Grammar | None, max_bytes: int, param: str) -> None:
+    """What a grammar may be before it reaches the engine: at most max_grammar_bytes, and a JSON schema may only
+    refer to its own parts (nothing is ever fetched: an external $ref would silently match anything)."""
+    if grammar is None:
+        return
+    if len(grammar.value.encode()) > max_bytes:
+        raise APIError(400, f"{param}: the grammar is {len(grammar.value.encode())} bytes; at most {max_bytes} "
+                            "(max_grammar_bytes)", param=param, code="invalid_grammar")
+    if grammar.kind == "json" and grammar.value and "$ref" in grammar.value:
+        try:
+            schema = json.loads(grammar.value)
+        except ValueError:
+            return  # the compiler says what is wrong with it
+        ref = _external_ref(schema)
+        if ref is not None:
+            raise APIError(400, f"{param}: $ref {ref!r} points outside the schema; only local references ('#...') "
+                                "are supported", param=param, code="invalid_grammar")
+
+
+def _external_ref(node) -> str | None:
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack += node.values()
+        elif isinstance(node, list):
+            stack += node
+    return None
 
 
 def by_likelihood(choices: list[list[TokenOutput]]) -> list[int]:
@@ -99,8 +160,10 @@ class Generation:
     once if the core refuses); batches() streams its outputs, and its outcome is recorded exactly once when it
     ends."""
 
-    def __init__(self, request: Request, endpoint: str, streams: list[RequestStream], prompt_tokens: int):
+    def __init__(self, request: Request, endpoint: str, streams: list[RequestStream], prompt_tokens: int,
+                 grammar_param: str | None = None):
         self.request = request
+        self.grammar_param = grammar_param  # the field that carried the request's grammar, for its errors
         self.streams = streams
         self.engine_id = streams[0].request_id
         request.state.counted = True  # from here on the outcome is recorded by _finish(), not the error handler
@@ -119,13 +182,27 @@ class Generation:
 
     @classmethod
     async def submit(cls, request: Request, endpoint: str, prompts: list[list[int]], params: SamplingParams,
-                     adapter: str | None, prompt_param: str, grammar_param: str | None = None) -> "Generation":
-        """Admits each prompt (params.n completions of each); choice i * n + j is prompt i's completion j."""
+                     adapter: str | None, prompt_param: str, grammar_param: str | None = None,
+                     user: str | None = None) -> "Generation":
+        """Admits each prompt (params.n completions of each); choice i * n + j is prompt i's completion j. Its
+        sequences share one share of each step with the rest of this request, or with every request of `user`."""
         client = engine(request)
         # The client may reuse its X-Request-Id; the engine (and the OpenAI response id) needs a unique id.
         ids = [f"{request.state.request_id}-{secrets.token_hex(4)}" for _ in prompts]
-        results = await asyncio.gather(*(client.add_request(rid, prompt, params, adapter)
-                                         for rid, prompt in zip(ids, prompts)), return_exceptions=True)
+        group = f"user:{user}" if user else ids[0]
+        admission = asyncio.gather(*(client.add_request(rid, prompt, params, adapter, group)
+                                     for rid, prompt in zip(ids, prompts)), return_exceptions=True)
+        # Admission can take seconds (a grammar compiling): a client that leaves meanwhile takes its request along.
+        watch = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({admission, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if not admission.done():
+            admission.cancel()  # each add_request tells its core to drop the request
+            await asyncio.gather(admission, return_exceptions=True)
+            raise ClientGone()
+        results = admission.result()
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             for streams in results:
@@ -141,7 +218,8 @@ class Generation:
                 raise APIError(422, f"{prompt_param}: {e}", param=prompt_param, code="invalid_value") from None
             except EngineDead:
                 raise unavailable() from None
-        return cls(request, endpoint, [s for streams in results for s in streams], sum(map(len, prompts)))
+        return cls(request, endpoint, [s for streams in results for s in streams], sum(map(len, prompts)),
+                   grammar_param)
 
     async def batches(self) -> AsyncIterator[list[TokenOutput]]:
         """The request's tokens (of every completion, each with its `choice`), in lists of those that arrived
@@ -159,6 +237,9 @@ class Generation:
                 if all(stream.finished and not stream.waiting for stream in self.streams):
                     self.outcome = "success"
                     return
+        except GrammarDeadEnd:
+            self.outcome = "validation_error"
+            raise
         except Exception:  # EngineStepError, or a bug; cancellation (client gone) is not an Exception
             self.outcome = "internal_error"
             raise
@@ -199,6 +280,9 @@ class Generation:
             return None
         try:
             return work.result()
+        except GrammarDeadEnd as e:
+            param = self.grammar_param
+            raise APIError(400, f"{param}: {e}", param=param, code="invalid_grammar") from None
         except EngineStepError as e:
             raise APIError(500, f"generation failed: {e}", code="engine_error") from None
 

@@ -9,31 +9,33 @@ from fastapi.responses import Response
 
 from service.api.auth import require_api_key
 from service.api.body import read_json
-from service.api.engine_client import EngineStepError, TokenOutput
+from service.api.engine_client import EngineStepError, GrammarDeadEnd, TokenOutput
 from service.api.errors import APIError
 from service.api.generation import (
     EventStream,
     Generation,
     by_likelihood,
+    check_grammar,
+    check_sequences,
     check_stop,
     encode_prompt,
     engine,
     fit_context,
     json_bytes,
+    request_budget,
     sse,
 )
 from service.api.schemas import ChatCompletionRequest, CompletionRequest, OpenAIRequest, ResponseFormat
 from service.api.tools import (
     CallStream,
-    call_id,
-    forced_calls,
+    ForcedCalls,
     forced_grammar,
     parse_calls,
     template_messages,
     tool_format,
 )
 from service.protocol import Grammar, SamplingParams
-from service.text import ChatTemplateError
+from service.text import ChatTemplateError, chat_text
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the context's room
 FINISH_REASONS = {"length": "length", "eos_token": "stop", "stop": "stop"}
@@ -83,7 +85,10 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _stream_error(e: EngineStepError) -> bytes:
+def _stream_error(e: EngineStepError, grammar_param: str | None) -> bytes:
+    if isinstance(e, GrammarDeadEnd):  # the client's grammar, not the engine, failed
+        return sse({"error": {"message": f"{grammar_param}: {e}", "type": "invalid_request_error",
+                              "param": grammar_param, "code": "invalid_grammar"}})
     return sse({"error": {"message": f"generation failed: {e}", "type": "internal_error", "param": None,
                           "code": "engine_error"}})
 
@@ -100,12 +105,14 @@ class _Call:
         client = engine(request)
         self.tokenizer = client.tokenizer
         adapter = resolve_model(client, req.model)
-        check_stop(req.stop or [], request.app.state.settings.max_stop_sequences, "stop")
+        settings = request.app.state.settings
+        check_stop(req.stop or [], settings.max_stop_sequences, "stop")
+        check_grammar(grammar, settings.max_grammar_bytes, grammar_param)
         if req.stream_options is not None and not req.stream:
             raise APIError(422, "stream_options: only allowed with stream=true", param="stream_options")
         prompt_param = "prompt" if endpoint == "completions" else "messages"
         max_new_tokens = fit_context(max(map(len, prompts)), max_tokens, default_max_tokens, client.max_model_len,
-                                     prompt_param, "max_tokens")
+                                     prompt_param, "max_tokens", request_budget(settings, prompts, n, prompt_param))
         if any(token >= client.info.vocab_size for token in req.logit_bias or {}):
             raise APIError(422, f"logit_bias: token ids must be below the vocabulary size {client.info.vocab_size}",
                            param="logit_bias")
@@ -114,7 +121,7 @@ class _Call:
                            param="min_tokens")
         self.params = _sampling_params(req, max_new_tokens, logprobs, top_logprobs, n, grammar)
         self.generation = await Generation.submit(request, endpoint, prompts, self.params, adapter, prompt_param,
-                                                  grammar_param)
+                                                  grammar_param, req.user)
         self.id = f"{'cmpl' if endpoint == 'completions' else 'chatcmpl'}-{self.generation.engine_id}"
         self.model = req.model
         self.created = int(time.time())
@@ -140,7 +147,7 @@ class _Call:
                 if chunks:
                     yield b"".join(chunks)
         except EngineStepError as e:
-            yield _stream_error(e)
+            yield _stream_error(e, self.generation.grammar_param)
             return
         if self.include_usage:
             yield sse({"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
@@ -170,8 +177,9 @@ def _completion_logprobs(call: _Call, outputs: list[TokenOutput], offset: int, w
 async def completions(request: Request):
     req = await read_json(request, CompletionRequest, request.app.state.settings.max_request_bytes)
     client = engine(request)
-    prompts = [await encode_prompt(client, p, "prompt") if isinstance(p, str) else p for p in req.prompt]
     best_of = req.best_of or req.n
+    check_sequences(request.app.state.settings, len(req.prompt), best_of, "best_of" if req.best_of else "n")
+    prompts = [await encode_prompt(client, p, "prompt") if isinstance(p, str) else p for p in req.prompt]
     if best_of < req.n:
         raise APIError(422, f"best_of: must be >= n ({req.n})", param="best_of")
     if req.stream and best_of > req.n:
@@ -222,7 +230,7 @@ async def _chat_prompt(req: ChatCompletionRequest, client, tools: list[dict] | N
     if not client.tokenizer.chat_template:
         raise APIError(422, "messages: this model has no chat template; use /v1/completions", param="messages")
     messages = template_messages(req.messages)
-    if not client.may_fit("".join(m["content"] or "" for m in messages)):
+    if not client.may_fit(chat_text(messages, tools)):  # names and calls' arguments count too
         raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} tokens",
                        param="messages", code="context_length_exceeded")
     try:
@@ -251,21 +259,30 @@ def _tool_choice(req: ChatCompletionRequest):
                        param="tool_choice.function.name")
     if len(set(names)) != len(names):
         raise APIError(422, "tools: function names must be unique", param="tools")
+    for i, tool in enumerate(req.tools or []):
+        kind = (tool.function.parameters or {}).get("type", "object")
+        if kind != "object":  # the arguments of a call are an object
+            raise APIError(422, f'tools.{i}.function.parameters: must be the schema of an object ("type": "object"), '
+                                f"not {kind!r}", param=f"tools.{i}.function.parameters", code="invalid_value")
     forced = choice == "required" or not isinstance(choice, str)
     if forced and req.response_format is not None and req.response_format.type != "text":
         raise APIError(422, "response_format: cannot be combined with a forced tool_choice", param="response_format")
     return choice
 
 
-def _finish(outputs: list[TokenOutput], calls: list[dict]) -> str:
-    # As vLLM: a reply that made calls says so, also when it went on past them to its length limit.
-    return "tool_calls" if calls else FINISH_REASONS[outputs[-1].finish_reason]
+def _finish(reason: str, calls: list[dict], forced: bool) -> str:
+    """The finish_reason of a chat choice whose generation ended for `reason`."""
+    if forced:  # its grammar completed the calls, or the length limit cut them short: say which
+        return "tool_calls" if reason == "stop" else reason
+    # As vLLM: under "auto" a reply that made calls says so, also when it went on past them to its length limit.
+    return "tool_calls" if calls else reason
 
 
 @router.post("/chat/completions")
 async def chat_completions(request: Request):
     req = await read_json(request, ChatCompletionRequest, request.app.state.settings.max_request_bytes)
     client = engine(request)
+    check_sequences(request.app.state.settings, 1, req.n, "n")
     tool_choice = _tool_choice(req)
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if tool_choice != "none" else None
     prompt_ids = await _chat_prompt(req, client, tools)
@@ -280,7 +297,9 @@ async def chat_completions(request: Request):
 
     def message(text: str) -> tuple[dict, list[dict]]:
         if forced:
-            calls, content = forced_calls(text, tool_choice), None
+            made = ForcedCalls(tool_choice)
+            made.feed(text)
+            calls, content = made.calls, made.content()
         elif tools:
             content, calls = parse_calls(text, fmt)
         else:
@@ -299,7 +318,8 @@ async def chat_completions(request: Request):
             msg, calls = message("".join(out.text for out in outputs))
             body.append({"index": index, "message": msg,
                          "logprobs": _chat_logprobs(call, outputs) if req.logprobs else None,
-                         "finish_reason": _finish(outputs, calls)})
+                         "finish_reason": _finish(FINISH_REASONS[outputs[-1].finish_reason], calls,
+                                                  forced is not None)})
         return _json({"id": call.id, "object": "chat.completion", "created": call.created, "model": call.model,
                       "choices": body, "usage": _usage(call.prompt_tokens, sum(map(len, choices)))})
 
@@ -310,9 +330,7 @@ async def chat_completions(request: Request):
                     "choices": [choice], "usage": None})
 
     streams = [CallStream(fmt) for _ in range(req.n)]  # under "auto": content until a call opens
-    texts = [[] for _ in range(req.n)]  # under "required": the array of calls, parsed at its end
-    named = forced is not None and not isinstance(tool_choice, str)
-    ids = [call_id() for _ in range(req.n)]  # a named function's call, which streams
+    made = [ForcedCalls(tool_choice) for _ in range(req.n)]  # forced: calls stream as they are written
 
     def token_chunk(out: TokenOutput) -> bytes | None:
         i, reason = out.choice, FINISH_REASONS.get(out.finish_reason)
@@ -321,30 +339,24 @@ async def chat_completions(request: Request):
                 return chunk(i, {"content": out.text} if out.text else {}, [out], reason)
             return None
         lines = []
-        if named:  # the arguments stream as they come
-            function = {"arguments": out.text}
-            head = {"id": ids[i], "type": "function"} if out.index == 0 else {}
-            if out.index == 0:
-                function = {"name": tool_choice.function.name, **function}
-            if out.text or head:
-                lines.append(chunk(i, {"tool_calls": [{"index": 0, **head, "function": function}]}, [out], None))
-        elif forced:
-            texts[i].append(out.text)
+        if forced:
+            deltas = made[i].feed(out.text)
+            if deltas or req.logprobs:
+                lines.append(chunk(i, {"tool_calls": deltas} if deltas else {}, [out], None))
         else:
             piece = streams[i].feed(out.text)
             if piece or req.logprobs:
                 lines.append(chunk(i, {"content": piece} if piece else {}, [out], None))
         if reason is not None:
-            calls = []
-            if forced and not named:
-                calls = forced_calls("".join(texts[i]), tool_choice)
-            elif not forced:
+            if forced:
+                calls, rest = made[i].calls, made[i].content()
+            else:
                 rest, calls = streams[i].finish()
-                if rest:
-                    lines.append(chunk(i, {"content": rest}, [], None))
-            if calls:
+            if rest:
+                lines.append(chunk(i, {"content": rest}, [], None))
+            if calls and not forced:
                 lines.append(chunk(i, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, [], None))
-            lines.append(chunk(i, {}, [], "tool_calls" if calls or named else reason))
+            lines.append(chunk(i, {}, [], _finish(reason, calls, forced is not None)))
         return b"".join(lines) or None
 
     opening = b"".join(chunk(i, {"role": "assistant", "content": None if forced else ""}, [], None)

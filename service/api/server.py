@@ -11,12 +11,14 @@ from service.api.app import create_app
 from service.config import Settings
 
 DESCRIPTOR_RESERVE = 64  # kept for the process's own files and sockets when connections are many
+SHUTDOWN_GRACE = 10  # seconds uvicorn waits, after the drain, for the open connections (last events, uploads)
 
 
 class DrainingServer(uvicorn.Server):
     """uvicorn with the service's drain: on SIGTERM or SIGINT the engine client stops admitting and fails what
     still runs after the drain time, so every stream ends with an event of ours before uvicorn's own graceful
-    timeout (longer) would cut it."""
+    timeout would cut it. The listening socket stays open while generations run: new connections get 429s and
+    /health 503, which tell a load balancer "draining" where a refused connection says "dead"."""
 
     def __init__(self, config: uvicorn.Config, drain_seconds: float):
         super().__init__(config)
@@ -32,6 +34,15 @@ class DrainingServer(uvicorn.Server):
         if self.loop is not None and client is not None and not self.should_exit:
             self.loop.call_soon_threadsafe(client.drain, self.drain_seconds)  # we are in a signal handler
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Whether to shut down (uvicorn then closes the listener and waits for the open connections): once asked
+        to, as soon as this front-end runs no generation any more. The client's drain fails what still runs after
+        drain_seconds, so that comes at the latest then; a second Ctrl-C (force_exit) does not wait."""
+        if not await super().on_tick(counter):
+            return False
+        client = self.config.app.state.engine
+        return self.force_exit or client is None or not any(core.load for core in client.cores)
 
 
 def guarded_http(header_timeout: float) -> type:
@@ -92,5 +103,5 @@ def serve(settings: Settings, engine_addresses: list[str], sock: socket.socket, 
                      max_concurrent_requests=min(settings.max_concurrent_requests, descriptors - DESCRIPTOR_RESERVE))
     config = uvicorn.Config(app, log_level=settings.log_level.lower(), access_log=False,
                             http=guarded_http(settings.header_timeout), timeout_keep_alive=settings.keep_alive_timeout,
-                            timeout_graceful_shutdown=int(settings.drain_seconds) + 10)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE)
     DrainingServer(config, settings.drain_seconds).run(sockets=[sock])

@@ -9,17 +9,20 @@ from fastapi.responses import Response
 
 from service.api.auth import require_api_key
 from service.api.body import read_json
-from service.api.engine_client import EngineStepError, TokenOutput
+from service.api.engine_client import EngineStepError, GrammarDeadEnd, TokenOutput
 from service.api.errors import APIError
 from service.api.generation import (
     EventStream,
     Generation,
     by_likelihood,
+    check_grammar,
+    check_sequences,
     check_stop,
     encode_prompt,
     engine,
     fit_context,
     json_bytes,
+    request_budget,
     sse,
 )
 from service.api.schemas import TGIGrammar, TGIParameters, TGIRequest
@@ -70,13 +73,15 @@ def _generated_text(body: TGIRequest, text: str) -> str:
 
 async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Generation, SamplingParams, list[int]]:
     client = engine(request)
-    p = body.parameters
-    check_stop(p.stop or [], request.app.state.settings.max_stop_sequences, "parameters.stop")
+    p, settings = body.parameters, request.app.state.settings
+    check_stop(p.stop or [], settings.max_stop_sequences, "parameters.stop")
+    check_sequences(settings, 1, p.best_of or 1, "parameters.best_of")
     prompt_ids = await encode_prompt(client, body.inputs, "inputs")
     if p.truncate is not None:
         prompt_ids = prompt_ids[-p.truncate:]
     max_new_tokens = fit_context(len(prompt_ids), p.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, client.max_model_len,
-                                 "inputs", "parameters.max_new_tokens")
+                                 "inputs", "parameters.max_new_tokens",
+                                 request_budget(settings, [prompt_ids], p.best_of or 1, "inputs"))
     if (p.best_of or 1) > 1:
         if not _samples(p):
             raise APIError(422, "parameters.best_of: > 1 needs sampling (do_sample, or a temperature, top_k or top_p)",
@@ -84,6 +89,7 @@ async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Ge
         if endpoint == "generate_stream":
             raise APIError(422, "parameters.best_of: > 1 cannot be streamed", param="parameters.best_of")
     params = sampling_params(p, max_new_tokens)
+    check_grammar(params.grammar, settings.max_grammar_bytes, "parameters.grammar")
     generation = await Generation.submit(request, endpoint, [prompt_ids], params, _adapter(client, p.adapter_id),
                                          "inputs", "parameters.grammar")
     return generation, params, prompt_ids
@@ -145,6 +151,8 @@ async def _generate_stream(request: Request, body: TGIRequest) -> Response:
                                             "input_length": generation.timer.prompt_tokens}
                     chunk.append(sse(event))
                 yield b"".join(chunk)
+        except GrammarDeadEnd as e:  # TGI's type for errors in the request
+            yield sse({"error": f"parameters.grammar: {e}", "error_type": "validation"})
         except EngineStepError as e:
             yield sse({"error": f"generation failed: {e}", "error_type": "generation"})
 

@@ -14,7 +14,7 @@ from service.api.generation import engine, json_bytes
 from service.api.openai_routes import resolve_model
 from service.api.schemas import DetokenizeRequest, TGITokenizeRequest, TokenizeRequest
 from service.api.tools import template_messages
-from service.text import ChatTemplateError, encode_chat
+from service.text import ChatTemplateError, chat_text, encode_chat
 
 router = APIRouter()
 
@@ -56,9 +56,12 @@ async def tokenize(request: Request):
         ids = await _off_loop(len(req.prompt), tokenizer.encode, req.prompt, add_special_tokens=special)
     else:
         messages = template_messages(req.messages)
-        size = sum(len(m.get("content") or "") for m in messages)
+        text = chat_text(messages)  # the texts, and the names and calls' arguments that are rendered with them
+        if not client.may_fit(text):
+            raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} "
+                                "tokens", param="messages", code="context_length_exceeded")
         try:
-            ids = await _off_loop(size, encode_chat, tokenizer, messages, req.add_generation_prompt)
+            ids = await _off_loop(len(text), encode_chat, tokenizer, messages, req.add_generation_prompt)
         except ChatTemplateError as e:
             raise APIError(422, f"messages: {e}", param="messages") from None
         if req.add_special_tokens:

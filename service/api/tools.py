@@ -12,6 +12,7 @@ import json
 import re
 import secrets
 
+from service import strict_json
 from service.protocol import Grammar
 
 HERMES, LLAMA3 = "hermes", "llama3"
@@ -51,28 +52,46 @@ def template_messages(messages) -> list[dict]:
 
 
 def _object(arguments: str):
+    """The arguments' JSON value; their text where that is not valid JSON, or not text either (a lone surrogate
+    escape, which no tokenizer takes), or nested too deeply: the model is shown what it was sent."""
     try:
-        return json.loads(arguments)
+        return strict_json.loads(arguments)
     except ValueError:
         return arguments
 
 
 def _parameters(function) -> dict:
-    return function.parameters if function.parameters is not None else {"type": "object", "properties": {}}
+    """A function's arguments schema, always an object's (none: an empty object)."""
+    parameters = function.parameters
+    if parameters is None:
+        return {"type": "object", "properties": {}}
+    return parameters if "type" in parameters else {"type": "object", **parameters}
+
+
+def _placed(schema, at: str):
+    """schema, to sit at JSON pointer `at` inside a larger one: its local $refs ("#...") made to point there."""
+    if isinstance(schema, dict):
+        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _placed(v, at)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_placed(v, at) for v in schema]
+    return schema
 
 
 def forced_grammar(tools, choice, parallel: bool) -> Grammar | None:
     """The grammar of a forced choice: a named function's arguments, or for "required" an array of calls (one,
-    unless parallel calls are allowed); None when the model chooses ("auto", "none")."""
+    unless parallel calls are allowed); None when the model chooses ("auto", "none"). Each function's parameters
+    sit under $defs of the array's schema, so that their own $refs still resolve."""
     if not isinstance(choice, str):
         function = next(t.function for t in tools if t.function.name == choice.function.name)
         return Grammar("json", json.dumps(_parameters(function)))
     if choice != "required":
         return None
     calls = [{"type": "object", "required": ["name", "parameters"],
-              "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t.function)}}
-             for t in tools]
-    schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+              "properties": {"name": {"const": t.function.name}, "parameters": {"$ref": f"#/$defs/f{i}"}}}
+             for i, t in enumerate(tools)]
+    schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+              "$defs": {f"f{i}": _placed(_parameters(t.function), f"#/$defs/f{i}") for i, t in enumerate(tools)}}
     if not parallel:
         schema["maxItems"] = 1
     return Grammar("json", json.dumps(schema))
@@ -83,14 +102,86 @@ def _call(name: str, arguments) -> dict:
     return {"id": call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
-def forced_calls(text: str, choice) -> list[dict]:
-    """The calls in the output of a forced choice (see forced_grammar); [] if it was cut short."""
-    if not isinstance(choice, str):
-        return [_call(choice.function.name, text)]
-    try:
-        return [_call(c["name"], c["parameters"]) for c in json.loads(text)]
-    except (ValueError, TypeError, KeyError):
-        return []
+# The next call's head in a "required" output, past the array's "[" or the previous call's "}, ".
+_REQUIRED_HEAD = re.compile(r'[^{]*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"parameters"\s*:\s*')
+
+
+class ForcedCalls:
+    """The calls of a forced tool_choice, read while the model writes them: a named function's arguments are the
+    whole output; "required" writes a JSON array of {"name", "parameters"} (forced_grammar). A call's name and
+    arguments stream as soon as they are written, and an output cut short (max_tokens) keeps what it wrote: its
+    calls, the last one with the arguments written so far."""
+
+    def __init__(self, choice):
+        self.named = None if isinstance(choice, str) else choice.function.name
+        self.calls: list[dict] = []
+        self.text = ""
+        self._at = 0  # "required": the first character not parsed yet
+        self._depth = 0  # inside the current call's arguments: open brackets, and whether in a string / an escape
+        self._in_string = self._escape = self._in_arguments = False
+
+    def feed(self, piece: str) -> list[dict]:
+        """The tool_calls deltas of `piece`: a call's opening (index, id, type, name), then its arguments text."""
+        self.text += piece
+        if self.named is not None:
+            if not self.calls:
+                self.calls.append(_call(self.named, piece))
+                return [self._opening(0, piece)]
+            self.calls[0]["function"]["arguments"] += piece
+            return [{"index": 0, "function": {"arguments": piece}}] if piece else []
+        deltas = []
+        while self._at < len(self.text):
+            if not self._in_arguments:
+                head = _REQUIRED_HEAD.match(self.text, self._at)
+                if head is None:
+                    break  # not written yet, or the array's end
+                self.calls.append(_call(head[1], ""))
+                deltas.append(self._opening(len(self.calls) - 1, ""))
+                self._at, self._in_arguments = head.end(), True
+            while self._depth == 0 and self._at < len(self.text) and self.text[self._at].isspace():
+                self._at += 1  # between "parameters": and the object, when the head matched before it came
+            start = self._at
+            self._scan()
+            if self._at > start:
+                written = self.text[start:self._at]
+                self.calls[-1]["function"]["arguments"] += written
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": written}})
+            if self._in_arguments:
+                break
+        return deltas
+
+    def _opening(self, index: int, arguments: str) -> dict:
+        call = self.calls[index]
+        return {"index": index, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": arguments}}
+
+    def _scan(self) -> None:
+        """Advances over the current call's arguments (a JSON object) to their end or to the end of the text."""
+        text, i = self.text, self._at
+        while i < len(text):
+            c = text[i]
+            i += 1
+            if self._in_string:
+                if self._escape:
+                    self._escape = False
+                elif c == "\\":
+                    self._escape = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._in_arguments = False
+                    break
+        self._at = i
+
+    def content(self) -> str | None:
+        """The output as text when it holds no call at all (cut short before a name): it is never dropped."""
+        return None if self.calls or not self.text else self.text
 
 
 def _json_calls(pieces, key: str) -> list[dict] | None:

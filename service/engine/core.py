@@ -2,8 +2,8 @@
 LLMEngine) and the fine-tuning jobs. It runs one plain loop, with no asyncio: drain the front-ends' commands, step
 the engine (or train a micro-batch between steps), and send each front-end one message per step with the new
 tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no CPU. The one
-work it hands to threads is compiling grammars (structured outputs): a request with a grammar is admitted by the
-loop once its grammar has compiled.
+work it hands to threads is compiling grammars (structured outputs, service.engine.grammar.CompileQueue): a request
+with a grammar waits (counted as waiting) until its grammar has compiled, then is admitted.
 
 Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER socket, so every message names the
 front-end it came from and every answer goes to that front-end alone.
@@ -18,8 +18,6 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future
-
 import msgspec
 import torch
 import zmq
@@ -27,7 +25,7 @@ from prometheus_client import CollectorRegistry
 
 from service.config import Settings
 from service.engine.finetune_jobs import JobError, JobManager
-from service.engine.grammar import GrammarError
+from service.engine.grammar import CompileQueue, GrammarError
 from service.engine.llm_engine import LLMEngine, RequestRejected
 from service.metrics import EngineMetrics
 from service.protocol import (
@@ -48,7 +46,6 @@ from service.protocol import (
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_INTERVAL = 1.0  # seconds between refreshes of the GPU memory gauges while steps run
-COMPILE_POLL_MS = 2  # how often an idle loop looks for compiled grammars
 
 
 class EngineBroken(RuntimeError):
@@ -74,10 +71,10 @@ class EngineCore:
         self._unpack = core_decoder().decode
         self.frontends: set[bytes] = set()
         self.owner: dict[str, bytes] = {}  # request id (each completion's, for n > 1) -> the front-end that sent it
-        self._compiling: list[tuple[bytes, AddRequest, Future]] = []  # requests whose grammar is compiling
-        # stop() may come from another thread: it wakes the poll through this pair.
+        # stop() and finished grammar compiles (other threads) wake the poll through this pair.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
+        self.compiles = CompileQueue(self.engine.grammars, settings.grammar_compile_timeout, self._wake)
         self._stopping = False
         self._gpu_memory_at = 0.0
         self.metrics.record_load(0, 0, 0.0)
@@ -113,15 +110,16 @@ class EngineCore:
                 if self.engine.has_work:
                     timeout = 0
                 else:
-                    timeout = None if train_in is None else train_in * 1000
-                    if self._compiling:
-                        timeout = min(timeout or COMPILE_POLL_MS, COMPILE_POLL_MS)
+                    waits = [t for t in (train_in, self.compiles.seconds_to_deadline()) if t is not None]
+                    timeout = min(waits) * 1000 if waits else None
                 events = dict(poller.poll(timeout))
                 if lifeline is not None and lifeline.fileno() in events:
                     break
+                if self._wake_r in events:
+                    self._wake_r.recv(4096)
                 if self.socket in events:
                     self._drain()
-                if self._compiling:
+                if self.compiles:
                     self._admit_compiled()
                 if self.engine.has_work:
                     self._step()
@@ -138,10 +136,18 @@ class EngineCore:
 
     def stop(self) -> None:
         self._stopping = True
+        self._wake()
+
+    def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
         except BlockingIOError:  # already woken
             pass
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting to be scheduled, those whose grammar is compiling included."""
+        return self.engine.num_waiting + len(self.compiles)
 
     def _send(self, identity: bytes, message) -> None:
         self.socket.send_multipart([identity, self._pack(message)], copy=False)
@@ -165,6 +171,8 @@ class EngineCore:
                 for request_id in message.request_ids:
                     if self.owner.pop(request_id, None) is not None:
                         self.engine.abort(request_id)
+                    else:  # its client left while its grammar compiled
+                        self.compiles.remove(request_id)
             elif isinstance(message, Call):
                 self._send(identity, self._call(message))
             elif isinstance(message, Hello):
@@ -172,21 +180,28 @@ class EngineCore:
                 self._send(identity, self.info())
         for identity, answer in admitted.items():
             self._send(identity, answer)
-        self.metrics.record_load(self.engine.num_running, self.engine.num_waiting, self.engine.kv_usage)
+        self.metrics.record_load(self.engine.num_running, self.num_waiting, self.engine.kv_usage)
 
     def _add(self, identity: bytes, request: AddRequest, answer: Admitted) -> None:
         rid = request.request_id
-        if self._stopping or self.engine.num_waiting >= self.settings.max_waiting_requests:
-            answer.rejected.append(Rejection(rid, "overloaded", f"{self.engine.num_waiting} requests are waiting"))
+        if self._stopping or self.num_waiting >= self.settings.max_waiting_requests:
+            answer.rejected.append(Rejection(rid, "overloaded", f"{self.num_waiting} requests are waiting"))
             return
+        grammar = request.params.grammar
         try:
-            if request.params.grammar is not None:
+            if grammar is not None:
                 self.engine.validate(request.prompt_token_ids, request.params, request.adapter)
-                self._compiling.append((identity, request, self.engine.grammars.compile(request.params.grammar)))
+                if len(grammar.value) > self.settings.max_grammar_bytes:
+                    raise GrammarError(f"longer than {self.settings.max_grammar_bytes} bytes (max_grammar_bytes)")
+                self.compiles.add(grammar, rid, (identity, request))
                 return  # admitted (or refused) once compiled
-            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter)
+            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
+                                    group=request.group)
         except RequestRejected as e:
             answer.rejected.append(Rejection(rid, "invalid", str(e)))
+            return
+        except GrammarError as e:
+            answer.rejected.append(Rejection(rid, "grammar", str(e)))
             return
         self._accept(identity, request, answer)
 
@@ -196,33 +211,28 @@ class EngineCore:
         answer.accepted.append(request.request_id)
 
     def _admit_compiled(self) -> None:
-        """Admits the requests whose grammar has compiled, refuses those whose grammar failed to."""
+        """Admits the requests whose grammar has compiled (and fits), refuses those whose grammar did not."""
         admitted: dict[bytes, Admitted] = defaultdict(lambda: Admitted([], []))
-        still = []
-        for identity, request, future in self._compiling:
-            if not future.done():
-                still.append((identity, request, future))
-                continue
+        ready, refused = self.compiles.poll()
+        for (identity, request), reason in refused:
+            admitted[identity].rejected.append(Rejection(request.request_id, "grammar", reason))
+        for (identity, request), compiled in ready:
             answer, rid = admitted[identity], request.request_id
             try:
                 self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
-                                        grammar=future.result())
-            except GrammarError as e:
-                answer.rejected.append(Rejection(rid, "grammar", str(e)))
-                continue
+                                        grammar=compiled, group=request.group)
             except RequestRejected as e:  # its adapter went away meanwhile, say
                 answer.rejected.append(Rejection(rid, "invalid", str(e)))
                 continue
             self._accept(identity, request, answer)
-        self._compiling = still
         for identity, answer in admitted.items():
             self._send(identity, answer)
 
     def _call(self, call: Call) -> Reply:
         if call.method == "stats":
             e = self.engine
-            return Reply(call.call_id, {"running": e.num_running, "waiting": e.num_waiting, "kv_usage": e.kv_usage,
-                                        "requests": len(e.requests), "owned": len(self.owner)})
+            return Reply(call.call_id, {"running": e.num_running, "waiting": self.num_waiting,
+                                        "kv_usage": e.kv_usage, "requests": len(e.requests), "owned": len(self.owner)})
         if call.method not in JobManager.CALLS or self.jobs is None:
             return Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}", "param": None,
                                               "code": None})
@@ -246,12 +256,12 @@ class EngineCore:
             by_owner[identity].append(out)
             if out.finish_reason is not None or out.error is not None:
                 del self.owner[out.request_id]
-                failed |= out.error is not None
+                failed |= out.error is not None and out.error_code is None  # not the client's grammar
         for identity, outs in by_owner.items():
             self._send(identity, StepOutputs(outs))
         if stats is not None:
             self.metrics.record_step(stats)
-        self.metrics.record_load(self.engine.num_running, self.engine.num_waiting, self.engine.kv_usage)
+        self.metrics.record_load(self.engine.num_running, self.num_waiting, self.engine.kv_usage)
         self._record_gpu_memory()
         if failed and not self.engine.healthy():
             raise EngineBroken("the device failed; exiting so that a fresh engine core takes over")

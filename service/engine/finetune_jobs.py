@@ -12,6 +12,11 @@ metadata, so every front-end sees one state. Jobs run one at a time on the engin
 micro-batch per call of train_step() from the core's loop, between engine steps: while requests are being served
 a job takes at most `finetune_duty_cycle` of the time (by default half: a pause as long as the micro-batch just
 done), and when the engine is idle it runs back to back. A finished job's adapter is served at once.
+
+An adapter serves only the base model it was trained on. Its file records that model's fingerprint (architecture,
+shapes, a hash of sampled weights: service.model.fingerprint), and a server started on a directory that holds the
+jobs of another base model (two servers sharing ./finetune-data, say) neither serves nor lists their adapters;
+their records stay as they are, for the server they belong to.
 """
 import json
 import logging
@@ -30,7 +35,8 @@ import torch
 
 from service.finetune.data import load_examples
 from service.finetune.trainer import StepResult, TrainConfig, Trainer, TrainingDiverged
-from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter
+from service.model.fingerprint import describe, fingerprint
+from service.model.lora import TARGETS, Adapter, AdapterMismatch, LoRAConfig, add_adapter, saved_base
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +102,16 @@ class JobManager:
         self.jobs = {p.parent.name: json.loads(p.read_text()) for p in sorted(self.jobs_dir.glob("*/job.json"))}
         self.queue: deque[str] = deque()
         self.run: _Run | None = None
+        self.base = fingerprint(model)
+        self.unserved: dict[str, str] = {}  # job id -> why its adapter is not served: made for another base model
         for job in sorted(self.jobs.values(), key=lambda j: j["created_at"]):
             if job["status"] == "succeeded":
                 try:
                     self._serve_adapter(job)
+                except AdapterMismatch as e:  # not a failure: the job did succeed, on another server's model
+                    log.warning("not serving the adapter of fine-tuning job %s (a fine-tune of %r; this server "
+                                "serves %r): %s", job["id"], job["model"], self.model_name, e)
+                    self.unserved[job["id"]] = f"not served here: {e}"
                 except Exception as e:  # a damaged adapter must not keep the server from starting
                     log.exception("cannot serve the adapter of %s", job["id"])
                     self._finish(job, "failed", error=("adapter_unavailable", f"the adapter cannot be loaded: {e}"))
@@ -110,7 +122,8 @@ class JobManager:
         self._update_job_gauge()
 
     def served_models(self) -> list[str]:
-        return [j["fine_tuned_model"] for j in self.jobs.values() if j["status"] == "succeeded"]
+        return [j["fine_tuned_model"] for j in self.jobs.values()
+                if j["status"] == "succeeded" and j["id"] not in self.unserved]
 
     # -- files (the front-end validated and wrote the data) ----------------------------------------------
     def register_file(self, meta: dict) -> dict:
@@ -240,16 +253,27 @@ class JobManager:
         return merged
 
     def list_jobs(self, after: str | None = None, limit: int = 20) -> dict:
-        return _page(sorted(self.jobs.values(), key=lambda j: j["created_at"], reverse=True), after, limit)
+        jobs = sorted(self.jobs.values(), key=lambda j: j["created_at"], reverse=True)
+        return _page([self._view(j) for j in jobs], after, limit)
 
     def get_job(self, job_id: str) -> dict:
+        return self._view(self._job(job_id))
+
+    def _job(self, job_id: str) -> dict:
         if job_id not in self.jobs:
             raise JobError(404, f"no fine-tuning job with id {job_id!r}", param="fine_tuning_job_id",
                            code="job_not_found")
         return self.jobs[job_id]
 
+    def _view(self, job: dict) -> dict:
+        """The job as the API shows it: one whose adapter this server does not serve says why in
+        extra.not_served (never written to its record, which belongs to the server of its base model)."""
+        if job["id"] not in self.unserved:
+            return job
+        return {**job, "extra": {**job["extra"], "not_served": self.unserved[job["id"]]}}
+
     def cancel_job(self, job_id: str) -> dict:
-        job = self.get_job(job_id)
+        job = self._job(job_id)
         if job["status"] in FINISHED:
             raise JobError(400, f"job {job_id} has already {job['status']}", param="fine_tuning_job_id")
         self._finish(job, "cancelled")  # a running job stops before its next micro-batch
@@ -351,7 +375,7 @@ class JobManager:
             loss = run.trainer.evaluate(load_examples(self.files_dir, run.valid_file))
             self._event(job, f"Validation loss={loss:.4f}", data={"step": run.trainer.step, "valid_loss": loss})
         path = self.jobs_dir / job["id"] / "adapter.safetensors"
-        run.trainer.adapter.save(path, {"base_model": job["model"], "job": job["id"]})
+        run.trainer.adapter.save(path, {"base_model": job["model"], "job": job["id"]}, base=self.base)
         param = next(self.model.parameters())
         add_adapter(self.model, job["extra"]["served_name"], run.trainer.adapter.to(param.device, param.dtype))
         job["fine_tuned_model"] = job["extra"]["served_name"]
@@ -401,7 +425,12 @@ class JobManager:
         self.metrics.set_finetune_jobs(counts)
 
     def _serve_adapter(self, job: dict) -> None:
+        """AdapterMismatch if the adapter was made for another base model."""
+        path = self.jobs_dir / job["id"] / "adapter.safetensors"
+        base = saved_base(path)
+        if base is not None and base != self.base:  # refused before its tensors take device memory
+            raise AdapterMismatch(f"its base model is {describe(base)}; this server's is {describe(self.base)}")
         param = next(self.model.parameters())
-        adapter = Adapter.load(self.jobs_dir / job["id"] / "adapter.safetensors", param.device, param.dtype)
-        add_adapter(self.model, job["extra"]["served_name"], adapter)
+        # add_adapter checks the shapes: all an adapter saved before fingerprints (base None) can be checked by
+        add_adapter(self.model, job["extra"]["served_name"], Adapter.load(path, param.device, param.dtype))
         job["fine_tuned_model"] = job["extra"]["served_name"]

@@ -32,6 +32,8 @@ from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_id
 
 log = logging.getLogger(__name__)
 STEP_FAILED = "the engine failed to compute this request's step (the server's log has the details)"
+GRAMMAR_DEAD_END = ("the grammar allows no token at this point of the output: it can never be completed (a $ref "
+                    "that recurses with no way out, say)")
 
 
 class RequestRejected(ValueError):
@@ -108,7 +110,7 @@ class LLMEngine:
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
                                    s.max_num_batched_tokens, self.max_model_len, mixed, hold)
         self.sampler = Sampler()
-        self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids))
+        self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids), s.grammar_cache_bytes)
         self.requests: dict[str, Sequence] = {}
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
@@ -160,10 +162,10 @@ class LLMEngine:
                 raise RequestRejected(f"unknown adapter {adapter!r}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    adapter: str | None = None, grammar=None) -> None:
+                    adapter: str | None = None, grammar=None, group: str = "") -> None:
         """Queues a request: its params.n completions, with ids choice_ids(request_id, n). grammar: the compiled
         params.grammar, when the caller compiled it (the engine core does, on worker threads); otherwise it is
-        compiled here."""
+        compiled here. group: whose share of a step it counts against (the scheduler's fairness); "": its own."""
         ids = choice_ids(request_id, params.n)
         if any(i in self.requests for i in ids):
             raise RequestRejected(f"request id {request_id!r} is already in use")
@@ -178,9 +180,10 @@ class LLMEngine:
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device).manual_seed(choice_seed(params.seed, i))
-            seq = Sequence(rid, list(prompt_token_ids), params, generator, adapter)
+            seq = Sequence(rid, list(prompt_token_ids), params, generator, adapter, group or request_id)
             if grammar is not None:
-                seq.matcher = self.grammars.matcher(grammar)
+                seq.matcher, seq.grammar = self.grammars.matcher(grammar), grammar
+                self.grammars.hold(grammar)
             self.requests[rid] = seq
             seqs.append(seq)
         parent, *children = seqs
@@ -193,6 +196,8 @@ class LLMEngine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
+        if seq.grammar is not None:
+            self.grammars.release(seq.grammar)
         self.scheduler.free(seq)  # a token of it still in flight is dropped when that step completes
         return True
 
@@ -257,7 +262,7 @@ class LLMEngine:
                 history = any(s.params.needs_history for s in seqs)
                 if history and self._in_flight is not None:
                     outputs += self._complete()
-                sampled = self._sample(logits, seqs, history)
+                sampled = self._sample(logits, seqs, history, outputs)
         except Exception as e:
             outputs += self._fail(batch.seqs + [child for child, _ in batch.forks], e)
             return None
@@ -268,16 +273,34 @@ class LLMEngine:
             seq.pending_row = row
         return _InFlight(batch, sampled, seqs, positions)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], history: bool) -> Sampled:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], history: bool,
+                outputs: list[RequestOutput]) -> Sampled:
         banned = [self._banned(s) for s in seqs] if any(s.params.min_tokens for s in seqs) else None
         masks = None
         bound = [row for row, s in enumerate(seqs) if s.matcher is not None]
         if bound:
             json_rows = [i for i, row in enumerate(bound) if seqs[row].params.grammar.kind == "json"]
-            masks = self.grammars.fill_masks([seqs[row].matcher for row in bound], json_rows), bound
+            words = self.grammars.fill_masks([seqs[row].matcher for row in bound], json_rows)
+            for i, row in enumerate(bound):
+                self._check_mask(seqs[row], words[i], banned[row] if banned else None, outputs)
+            masks = words, bound
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                             [s.token_ids for s in seqs] if history else None,
                             [s.num_prompt_tokens for s in seqs] if history else None, banned, masks)
+
+    def _check_mask(self, seq: Sequence, mask: torch.Tensor, banned: list[int] | None,
+                    outputs: list[RequestOutput]) -> None:
+        """A grammar row's mask beside its bans. A grammar that allows nothing but what min_tokens bans is
+        complete: it wins, and the ban goes. One that allows nothing at all is at a dead end: the request ends with
+        an error rather than a token the grammar refuses."""
+        if seq.status is Status.FINISHED or seq.matcher.is_terminated():  # ended by the step before, say
+            return
+        if not self.grammars.allows_any(mask):
+            mask.fill_(-1)  # its token is dropped: keep the row's logits finite
+            outputs.append(RequestOutput(seq.request_id, error=GRAMMAR_DEAD_END, error_code="invalid_grammar"))
+            self.abort(seq.request_id)
+        elif banned and not self.grammars.allows_any(mask, banned):
+            banned.clear()
 
     def _banned(self, seq: Sequence) -> list[int]:
         """The tokens that would end seq before its min_tokens (its token ids hold every earlier token, the one

@@ -10,13 +10,19 @@ running sequence needs a block and none is free, the newest running sequences ar
 are freed and they go back to the front of the queue, to be recomputed later (prefix caching usually finds
 their blocks again).
 
+Fairness: when the sequences that want to run outnumber a step's places (max_num_seqs), each group (one HTTP
+request with all its prompts and completions, or every request of one OpenAI `user`) is entitled to an equal share
+of them. Groups under their share that wait are admitted first, taking places from the newest sequences of groups
+over their share (preempted), and a request's completions beyond its share run later on their own (from the
+prefix cache). Nobody waits for a request of hundreds of sequences to finish.
+
 With overlapped scheduling, step N+1 is scheduled while step N runs: a sequence sampled in step N already holds
 that token (still PENDING on the GPU), so it decodes again in N+1, unless that token is its last (length limit).
 Freeing blocks while a step that uses them is in flight is safe: any later use is by a later step, which the GPU
 runs after it.
 """
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvcache import BlockManager
@@ -113,6 +119,49 @@ class Scheduler:
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
         self.waiting.appendleft(seq)
 
+    def _fair_share(self, batch: ScheduledBatch) -> tuple[Counter, int] | None:
+        """(places each group holds, the share of each) when the sequences that want to run outnumber a step's
+        places, after the newest sequences of groups over their share gave up the places that waiting groups under
+        theirs want; None when everyone fits."""
+        wanted = Counter()
+        for seq in self.waiting:
+            wanted[seq.group] += 1 + len(seq.forks)
+        if len(self.running) + sum(wanted.values()) <= self.max_num_seqs:
+            return None
+        seats = Counter(seq.group for seq in self.running)
+        share = max(1, self.max_num_seqs // len(seats.keys() | wanted.keys()))
+        need = sum(min(share - seats[g], n) for g, n in wanted.items() if seats[g] < share)
+        need -= self.max_num_seqs - len(self.running)
+        for seq in reversed(self.running[:]):  # newest first
+            if need <= 0:
+                break
+            if seats[seq.group] > share:
+                self._preempt(seq)
+                seats[seq.group] -= 1
+                need -= 1
+                batch.num_preemptions += 1
+        return seats, share
+
+    def _fair_order(self, seats: Counter, share: int):
+        """The waiting sequences, those of groups under their share first (judged as they come: `seats` grows as
+        they are admitted)."""
+        later = []
+        for seq in list(self.waiting):
+            if seats[seq.group] < share:
+                yield seq
+            else:
+                later.append(seq)
+        yield from later
+
+    def _trim_forks(self, seq: Sequence, seats: Counter, share: int) -> None:
+        """The completions of seq beyond what its group may take now go on alone, later (each its own prompt, from
+        the prefix cache)."""
+        places = share - seats[seq.group] if seats[seq.group] < share else self.max_num_seqs - len(self.running)
+        for child in seq.forks[max(0, places - 1):]:
+            child.fork_of = None
+            self.waiting.append(child)
+        del seq.forks[max(0, places - 1):]
+
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         queried, hits = bm.prefix_queried_tokens, bm.prefix_hit_tokens
@@ -120,6 +169,8 @@ class Scheduler:
         batch = ScheduledBatch()
         decodes = 0
         self.steps += 1
+        fair = self._fair_share(batch) if self.waiting else None
+        made_room = batch.num_preemptions
 
         def prompt_room(later: int = 0) -> int:
             """Tokens a prompt chunk may take now, leaving one to each of `later` sequences still to schedule."""
@@ -161,12 +212,22 @@ class Scheduler:
             batch.add(seq, n, tables[seq.request_id])
             budget -= n
         admit = not (decodes and self.waiting and self.hold_steps and self._hold(prompt_room()))
+        order = self._fair_order(*fair) if fair else None
+        # A step that preempted for lack of blocks admits nobody; one that made room for fairness does.
         while (admit and self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
-               and len(self.running) < self.max_num_seqs and not batch.num_preemptions):
-            seq = self.waiting[0]
+               and len(self.running) < self.max_num_seqs and batch.num_preemptions == made_room):
+            seq = self.waiting[0] if order is None else next(order, None)
+            if seq is None:
+                break
+            if fair:
+                self._trim_forks(seq, *fair)
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):
                 break
-            self.waiting.popleft()
+            if order is None:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+                fair[0][seq.group] += 1 + len(seq.forks)
             cached = bm.allocate(seq.request_id, seq.cache_keys)
             if seq.queue_seconds is None:  # first admission (a preempted sequence comes back here later)
                 seq.num_cached_prompt_tokens = cached

@@ -23,6 +23,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None = None  # seeded requests only
     adapter: str | None = None
+    group: str = ""  # the request (or client) whose share of each step it counts against
     token_ids: list[int] = field(init=False)  # prompt + generated
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache (or is being written by the step in flight)
@@ -35,6 +36,7 @@ class Sequence:
     # reads its input from there on the device; the host learns the value when the step completes.
     pending_row: int = -1
     matcher: object = None  # the grammar's xgrammar matcher, advanced by every generated token
+    grammar: object = None  # the compiled grammar, counted among those of running requests while this one lives
     # n > 1: the other completions wait here, without KV blocks, until this one's prompt is computed; the
     # scheduler then forks them (they share its blocks, copy-on-write) in the step that samples its first token.
     forks: list["Sequence"] = field(default_factory=list)

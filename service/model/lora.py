@@ -23,7 +23,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BASE_KEY = "base_fingerprint"  # the metadata entry of the base model's fingerprint (service.model.fingerprint)
 _local = threading.local()
+
+
+class AdapterMismatch(ValueError):
+    """An adapter made for another base model."""
 
 
 @dataclass
@@ -88,13 +93,16 @@ class Adapter:
         return Adapter(self.config, {n: tuple(t.detach().to(device, dtype) for t in ts)
                                      for n, ts in self.weights.items()}, self.source)
 
-    def save(self, path, metadata: dict | None = None) -> None:
-        """Atomically (tmp file + os.replace), so a crash never leaves a half-written adapter."""
+    def save(self, path, metadata: dict | None = None, base: dict | None = None) -> None:
+        """Atomically (tmp file + os.replace), so a crash never leaves a half-written adapter. base: the
+        fingerprint of the model it was trained on, which servers check before serving it (saved_base)."""
         tensors = {}
         for name, ts in self.weights.items():
             keys = ("delta",) if self.config.full else ("lora_A", "lora_B")
             tensors |= {f"{name}.{k}": t.detach().float().cpu().contiguous() for k, t in zip(keys, ts)}
         meta = {"lora_config": json.dumps(asdict(self.config)), **(metadata or {})}
+        if base is not None:
+            meta[BASE_KEY] = json.dumps(base)
         tmp = f"{path}.tmp"
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
@@ -125,6 +133,14 @@ class Adapter:
             names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
             weights = {n: tuple(f.get_tensor(f"{n}.{k}").to(dtype) for k in keys) for n in names}
         return cls(config, weights, str(path))
+
+
+def saved_base(path) -> dict | None:
+    """The fingerprint of the base model an adapter file was trained on (None: saved before fingerprints), read
+    without loading its tensors."""
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    return json.loads(meta[BASE_KEY]) if BASE_KEY in meta else None
 
 
 def target_linears(model: nn.Module, targets=TARGETS) -> dict[str, nn.Linear]:
@@ -165,13 +181,43 @@ def has_adapter(model: nn.Module, name: str) -> bool:
     return name in getattr(model, "lora_adapters", {})
 
 
+def _whole_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """(out, in) of each projection as an adapter stores it: whole, where a tensor-parallel rank holds a slice."""
+    linears = target_linears(model)
+    tp = getattr(model, "tp", None)
+    if tp is None or tp.size == 1:
+        return {name: (linear.out_features, linear.in_features) for name, linear in linears.items()}
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    h, m = cfg.hidden_size, cfg.intermediate_size
+    whole = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (m, h),
+             "up_proj": (m, h), "down_proj": (h, m)}
+    return {name: whole[name.rsplit(".", 1)[-1]] for name in linears}
+
+
+def _check_fits(model: nn.Module, adapter: Adapter) -> None:
+    """AdapterMismatch unless every tensor has the shape its projection needs: lora_A [rank, in], lora_B [out, rank]
+    or delta [out, in]; one that does not would fail every step that applies it. (An adapter of another base with
+    the same shapes fits: only its fingerprint, service.model.fingerprint, tells.)"""
+    shapes = _whole_shapes(model)
+    missing = set(adapter.weights) - set(shapes)
+    if missing:
+        raise AdapterMismatch(f"the adapter targets modules the model lacks: {sorted(missing)[:3]}")
+    r = adapter.config.rank
+    for name, tensors in adapter.weights.items():
+        out, inp = shapes[name]
+        want = [(out, inp)] if adapter.config.full else [(r, inp), (out, r)]
+        got = [tuple(t.shape) for t in tensors]
+        if got != want:
+            raise AdapterMismatch(f"the adapter's {name} has shapes {got}, the model's {out}x{inp} projection needs "
+                                  f"{want}: it was trained on another base model")
+
+
 def add_adapter(model: nn.Module, name: str, adapter: Adapter) -> None:
     """Serves `adapter` (whole, as trained) under `name` from now on (a dict assignment: safe while steps run); a
-    tensor-parallel rank keeps its slices."""
+    tensor-parallel rank keeps its slices. AdapterMismatch if its shapes do not fit the model's projections."""
+    _check_fits(model, adapter)
     install(model)
-    missing = set(adapter.weights) - set(target_linears(model))
-    if missing:
-        raise ValueError(f"adapter targets modules the model lacks: {sorted(missing)[:3]}")
     tp = getattr(model, "tp", None)
     if tp is not None and tp.size > 1:
         adapter = adapter.shard(model.config, tp)
