@@ -4,18 +4,27 @@ python benchmarks/soak.py [--minutes 10] [--out DIR] [--streams 64] [--interval 
 python benchmarks/soak.py --device cpu --model default --minutes 1 --streams 6 --interval 5
 
 The server is started with its CLI (on the GPU the random Qwen2.5-0.5B-shaped checkpoint of benchmarks/serve.py,
-on the CPU the embedded model). Closed-loop clients in worker processes then send, at random: streams on
+on the CPU the embedded model). Closed-loop clients in worker processes then send, at random (KINDS): streams on
 /generate_stream and on streaming /v1/chat/completions, non-streaming /generate, streams they leave after a few
-tokens, and bad requests (malformed or mistyped JSON, oversized prompts, lone surrogates, bad sampling values,
-unknown routes and models), which must get a 4xx. Meanwhile one fine-tuning job is uploaded, trained and, once
-it succeeds, its model takes a share of the requests.
+tokens; structured outputs (response_format json_schema and TGI grammars, one in three a grammar no other request
+has, so that compiled grammars keep turning over in their cache), tool calls (required, named or auto), n > 1 on
+/v1/completions (with prompt lists and best_of) and logit_bias, each streamed or not; and bad requests (malformed
+or mistyped JSON, oversized prompts, lone surrogates, bad sampling values, unknown routes and models, schemas with
+an external $ref or a $ref cycle or over max_grammar_bytes, prompts x n over max_request_sequences, a tool whose
+parameters are no object), which must get a 4xx. A structured output or forced call cut short by max_tokens is a
+success; a finished one answered whole must parse. When the model's vocabulary cannot spell JSON (the GPU
+checkpoint's word-level tokenizer), structured outputs are TGI regular expressions of its words and tool calls are
+left to the model. Meanwhile one fine-tuning job is uploaded, trained and, once it succeeds, its model takes a
+share of the requests.
 
 Every --interval seconds it records the RSS of every process of the service, GPU memory, the server's gauges
-(running, waiting, KV usage) and the TTFT/ITL percentiles of the streams that finished in the interval. At the end
+(running, waiting, KV usage) and the TTFT/ITL percentiles of the streams that finished in the interval (those of
+the stream, chat, leave and adapter kinds: a grammar's compile or n interleaved choices would blur them). At the end
 the load stops, the server must go idle, and the run passes when no good request failed, no bad request got a
 5xx, the gauges are back to 0, the job succeeded, and memory is flat: from the job's end on, the median of the last
 third of the samples within max(5%, 64 MiB) of the first third's (host RSS and GPU memory alike). Writes soak.json
-and soak.png to --out, prints a line per sample and a verdict, and exits 1 when the run failed.
+(outcomes per interval and per kind) and soak.png to --out, prints a line per sample and a verdict, and exits 1
+when the run failed.
 """
 import argparse
 import asyncio
@@ -30,6 +39,7 @@ import tempfile
 import threading
 import time
 import types
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,10 +51,27 @@ from benchmarks.serve import git_commit, prompt_words, start_server, write_model
 
 # Histogram bins for latencies (seconds): 0.1 ms to 100 s, log-spaced, so workers' counts add up exactly.
 BINS = np.logspace(-4, 2, 241)
-KINDS = {"stream": 0.45, "chat": 0.2, "plain": 0.1, "leave": 0.1, "bad": 0.1, "adapter": 0.05}
+KINDS = {"stream": 0.37, "chat": 0.18, "plain": 0.08, "leave": 0.08, "bad": 0.1, "adapter": 0.05,
+         "structured": 0.06, "tools": 0.04, "fan_out": 0.02, "logit_bias": 0.02}
+SURFACE = ("structured", "tools", "fan_out", "logit_bias")  # the kinds surface_request makes
 GAUGES = ("llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio")
 FLAT_SLACK = (0.05, 64 << 20)  # relative, absolute bytes
 TRAINING = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "completion": " w7 w8 w9 w10"} for i in range(24)]
+SCHEMAS = [  # small: on the CPU most finish within 16 tokens
+    {"type": "object", "required": ["mood", "ok"], "properties": {"mood": {"enum": ["happy", "sad"]},
+                                                                   "ok": {"type": "boolean"}}},
+    {"type": "array", "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": 99}},
+    {"type": "object", "required": ["to"], "properties": {"to": {"$ref": "#/$defs/city"}},
+     "$defs": {"city": {"enum": ["Paris", "Oslo", "Lima"]}}},
+]
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+             "type": "object", "required": ["city"], "properties": {"city": {"type": "string", "maxLength": 12}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "required": ["zone"], "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}]
+
+
+def schema_format(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "soak", "schema": schema}}
 
 
 def bad_requests(model: str, context: int) -> list[tuple[str, str, bytes]]:
@@ -53,7 +80,19 @@ def bad_requests(model: str, context: int) -> list[tuple[str, str, bytes]]:
         return json.dumps(obj).encode()
 
     long_prompt = " ".join(["w1"] * (context + 16))
+    huge = {"enum": [f"value number {i}" for i in range(5000)]}  # 104 KB: over max_grammar_bytes (64 KiB)
+    external = {"type": "object", "properties": {"x": {"$ref": "file:///etc/passwd"}}}
+    ask = [{"role": "user", "content": "w1"}]
+    integer_tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}
     return [
+        ("POST", "/v1/completions", js({"model": model, "prompt": "w1", "response_format": schema_format(external)})),
+        ("POST", "/v1/chat/completions", js({"model": model, "messages": ask,
+                                             "response_format": schema_format({"$ref": "#"})})),
+        ("POST", "/generate", js({"inputs": "w1", "parameters": {"grammar": {"type": "json", "value": huge}}})),
+        ("POST", "/generate", js({"inputs": "w1", "parameters": {"grammar": {"type": "regex", "value": "([a-z"}}})),
+        ("POST", "/v1/completions", js({"model": model, "prompt": ["w1", "w2", "w3"], "n": 128})),  # 384 > 256
+        ("POST", "/v1/chat/completions", js({"model": model, "messages": ask, "tools": [integer_tool]})),
+        ("POST", "/v1/completions", js({"model": model, "prompt": "w1", "logit_bias": {str(2**31 - 1): 5}})),
         ("POST", "/generate", b'{"inputs": "w1 w2", "parameters": {'),
         ("POST", "/generate", js({"inputs": "w1", "parameters": {"max_new_tokens": "5"}})),
         ("POST", "/generate", js({"inputs": "w1", "parameters": {"temperature": -1}})),
@@ -69,16 +108,19 @@ def bad_requests(model: str, context: int) -> list[tuple[str, str, bytes]]:
 # -- the load (worker processes) -------------------------------------------------------------------------------
 
 class Tally:
-    """What one worker saw, per interval: counts by outcome and latency histograms."""
+    """What one worker saw: counts by outcome per interval and by kind, and latency histograms per interval."""
 
     def __init__(self, intervals: int):
         self.counts: dict[str, np.ndarray] = {}
+        self.kinds: dict[str, dict[str, int]] = {}
         self.ttft = np.zeros((intervals, len(BINS) + 1), dtype=np.int64)
         self.itl = np.zeros((intervals, len(BINS) + 1), dtype=np.int64)
         self.errors: list[str] = []
 
-    def count(self, interval: int, outcome: str) -> None:
+    def count(self, interval: int, kind: str, outcome: str) -> None:
         self.counts.setdefault(outcome, np.zeros(self.ttft.shape[0], dtype=np.int64))[interval] += 1
+        by_kind = self.kinds.setdefault(kind, {})
+        by_kind[outcome] = by_kind.get(outcome, 0) + 1
 
     def latencies(self, interval: int, ttft: float, gaps: list[float]) -> None:
         self.ttft[interval, np.searchsorted(BINS, ttft)] += 1
@@ -107,6 +149,82 @@ async def _stream(session, url: str, body: dict, leave_after: int | None) -> tup
     return times[0] - sent, list(np.diff(times))
 
 
+def surface_request(kind: str, spec, rng: random.Random, prompt: str) -> tuple[str, dict, bool]:
+    """(path, body, streamed) of a good request of a SURFACE kind, streamed or not at random."""
+    stream = rng.random() < 0.5
+    chat = {"model": spec.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": spec.new_tokens,
+            "stream": stream}
+    completion = {"model": spec.model, "prompt": prompt, "max_tokens": spec.new_tokens, "stream": stream}
+    tgi_path = "/generate_stream" if stream else "/generate"
+    if kind == "structured":
+        # 1 in 3 grammars is one no other request has: compiled grammars keep entering and leaving the cache
+        distinct = rng.random() < 1 / 3
+        variant = rng.choice(["response_format", "tgi_json", "tgi_regex"] if spec.json_outputs else ["tgi_regex"])
+        if variant == "tgi_regex":
+            # Words any vocabulary here spells (the word-level one's tokens are w<digits>), and no word-level token
+            # is a dead end: after "w1" of "w12", a next word can always follow. Distinct: a random bound.
+            regex = f"(w[0-9]{{1,3}}){{1,{rng.randrange(2, 4096)}}}" if distinct else "(w[0-9]{1,3})+"
+            return tgi_path, {"inputs": prompt, "parameters": {"max_new_tokens": spec.new_tokens, "grammar": {
+                "type": "regex", "value": regex}}}, stream
+        schema = rng.choice(SCHEMAS)
+        if distinct:
+            key = f"k{rng.randrange(1 << 32):08x}"
+            schema = {"type": "object", "required": [key], "properties": {key: {"type": "integer"}}}
+        if variant == "tgi_json":
+            return tgi_path, {"inputs": prompt, "parameters": {"max_new_tokens": spec.new_tokens, "grammar": {
+                "type": "json", "value": schema}}}, stream
+        path, body = rng.choice([("/v1/chat/completions", chat), ("/v1/completions", completion)])
+        return path, {**body, "response_format": schema_format(schema)}, stream
+    if kind == "tools":
+        # a forced choice's grammar is JSON: a vocabulary that cannot spell it leaves the model to choose
+        choice = rng.choice(["required", "named", "auto"] if spec.json_outputs else ["auto"])
+        if choice == "named":
+            choice = {"type": "function", "function": {"name": rng.choice(TOOLS)["function"]["name"]}}
+        return "/v1/chat/completions", {**chat, "tools": TOOLS, "tool_choice": choice,
+                                        "parallel_tool_calls": rng.random() < 0.5}, stream
+    if kind == "fan_out":
+        prompts = [prompt] + [" ".join(rng.choices(spec.words, k=spec.prompt_words)) for _ in range(rng.randrange(2))]
+        body = {**completion, "prompt": prompts, "n": rng.randint(2, 4)}
+        if not stream and rng.random() < 0.5:
+            body["best_of"] = body["n"] + 1  # the likeliest n of n + 1
+        return "/v1/completions", body, stream
+    # logit_bias: ids clear of the special tokens at the bottom of the vocabularies (a stream of nothing but EOS)
+    bias = {str(rng.randrange(300, 1000)): rng.choice([-100, -5, 5, 100]) for _ in range(rng.randint(1, 8))}
+    path, body = rng.choice([("/v1/chat/completions", chat), ("/v1/completions", completion)])
+    return path, {**body, "logit_bias": bias}, stream
+
+
+def check_answer(body: dict, answer: dict) -> None:
+    """Beyond its 200, a non-streamed OpenAI answer of a SURFACE kind holds a choice per sequence asked for, a
+    finished structured output that parses, and calls whose arguments are JSON objects. An output cut by max_tokens
+    (finish_reason "length") is as good as a finished one."""
+    prompts = body["prompt"] if isinstance(body.get("prompt"), list) else [None]
+    if len(answer["choices"]) != len(prompts) * body.get("n", 1):
+        raise RuntimeError(f"{len(answer['choices'])} choices for {len(prompts)} prompt(s) x n {body.get('n', 1)}")
+    for choice in answer["choices"]:
+        message = choice.get("message", {})
+        if "response_format" in body and choice["finish_reason"] == "stop":
+            json.loads(choice["text"] if "text" in choice else message["content"])
+        if choice["finish_reason"] == "tool_calls":
+            for call in message["tool_calls"]:
+                if not isinstance(json.loads(call["function"]["arguments"]), dict):
+                    raise RuntimeError(f"arguments not a JSON object: {call['function']['arguments'][:100]}")
+
+
+async def _surface(session, base: str, path: str, body: dict, stream: bool) -> None:
+    """Sends a SURFACE request. Its stream's latencies stay out of the histograms: a grammar's compile is in its
+    TTFT, and n choices interleave their tokens; the stream and chat kinds keep measuring what they always did."""
+    if stream:
+        await _stream(session, base + path, body, None)
+        return
+    async with session.post(base + path, json=body) as response:
+        text = await response.text()
+        if response.status != 200:
+            raise RuntimeError(f"HTTP {response.status}: {text[:200]}")
+    if path.startswith("/v1/"):
+        check_answer(body, json.loads(text))
+
+
 async def _client(session, spec, rng: random.Random, tally: Tally, adapter, t0: float, stop: float) -> None:
     base = spec.base_url
     bad = bad_requests(spec.model, spec.context)
@@ -126,7 +244,7 @@ async def _client(session, spec, rng: random.Random, tally: Tally, adapter, t0: 
                     outcome = "bad_4xx" if 400 <= response.status < 500 else f"bad_{response.status}"
                     if not outcome == "bad_4xx":
                         tally.errors.append(f"{path}: {response.status} for a bad request")
-                tally.count(interval, outcome)
+                tally.count(interval, kind, outcome)
                 continue
             if kind == "plain":
                 async with session.post(base + "/generate", json=tgi) as response:
@@ -139,6 +257,8 @@ async def _client(session, spec, rng: random.Random, tally: Tally, adapter, t0: 
                     continue
                 body = {"model": name, "prompt": prompt, "max_tokens": spec.new_tokens, "stream": True}
                 tally.latencies(interval, *await _stream(session, base + "/v1/completions", body, None))
+            elif kind in SURFACE:
+                await _surface(session, base, *surface_request(kind, spec, rng, prompt))
             elif kind == "chat":
                 body = {"model": spec.model, "messages": [{"role": "user", "content": prompt}],
                         "max_tokens": spec.new_tokens, "stream": True}
@@ -146,9 +266,9 @@ async def _client(session, spec, rng: random.Random, tally: Tally, adapter, t0: 
             else:
                 leave = rng.randint(1, 4) if kind == "leave" else None
                 tally.latencies(interval, *await _stream(session, base + "/generate_stream", tgi, leave))
-            tally.count(interval, "good_ok")
+            tally.count(interval, kind, "good_ok")
         except Exception as e:  # a good request that failed
-            tally.count(interval, "good_failed")
+            tally.count(interval, kind, "good_failed")
             tally.errors.append(f"{kind}: {type(e).__name__}: {e}"[:300])
             await asyncio.sleep(0.1)
 
@@ -166,8 +286,8 @@ def _worker(spec, seed: int, clients: int, adapter, t0: float, stop: float, resu
         return tally
 
     tally = asyncio.run(run())
-    results.put({"counts": {k: v.tolist() for k, v in tally.counts.items()}, "ttft": tally.ttft.tolist(),
-                 "itl": tally.itl.tolist(), "errors": tally.errors[:50]})
+    results.put({"counts": {k: v.tolist() for k, v in tally.counts.items()}, "kinds": tally.kinds,
+                 "ttft": tally.ttft.tolist(), "itl": tally.itl.tolist(), "errors": tally.errors[:50]})
 
 
 # -- what the parent watches -----------------------------------------------------------------------------------
@@ -296,9 +416,13 @@ def soak(args, server, startup: dict, model_dir: str | None) -> dict:
     model = info["model_id"]
     intervals = int(np.ceil(args.minutes * 60 / args.interval))
     words, _, _ = prompt_words(model_dir, args.prompt_words)
+    json_outputs = writes_json(server.base_url, model)
+    if not json_outputs:
+        print("the model's vocabulary cannot spell JSON: structured outputs are regular expressions of its words "
+              "and tool calls are the model's choice (auto)", flush=True)
     spec = types.SimpleNamespace(base_url=server.base_url, model=model, context=info["max_total_tokens"],
                                  words=words, prompt_words=args.prompt_words, new_tokens=args.new_tokens,
-                                 interval=args.interval, intervals=intervals)
+                                 interval=args.interval, intervals=intervals, json_outputs=json_outputs)
     ctx = multiprocessing.get_context("spawn")
     adapter, results = ctx.Array("c", 256), ctx.Queue()
     t0 = time.monotonic()
@@ -330,7 +454,22 @@ def soak(args, server, startup: dict, model_dir: str | None) -> dict:
     trainer.join(600)
     idle_after = wait_idle(server.base_url)
     final = scrape(server.base_url)
-    return summarize(args, samples, tallies, job, final, idle_after, startup, info, model)
+    return summarize(args, samples, tallies, job, final, idle_after, startup, info, model, json_outputs)
+
+
+def writes_json(base_url: str, model: str) -> bool:
+    """Whether the model's vocabulary can spell JSON. The GPU run's word-level tokenizer has nothing but words: any
+    JSON grammar matches no output there, a 400."""
+    body = {"model": model, "prompt": "w1", "max_tokens": 1, "response_format": {"type": "json_object"}}
+    request = urllib.request.Request(f"{base_url}/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        urllib.request.urlopen(request, timeout=120).read()
+    except urllib.error.HTTPError as e:
+        if e.code == 400 and json.load(e)["error"]["code"] == "invalid_grammar":
+            return False
+        raise
+    return True
 
 
 def wait_idle(base_url: str, timeout: float = 120.0) -> float | None:
@@ -354,12 +493,17 @@ def _flat(values: list[float]) -> tuple[bool, str]:
     return last - first <= slack, f"first third {first / 2**20:.0f} MiB, last third {last / 2**20:.0f} MiB"
 
 
-def summarize(args, samples, tallies, job, final, idle_after, startup, info, model) -> dict:
+def summarize(args, samples, tallies, job, final, idle_after, startup, info, model, json_outputs) -> dict:
     intervals = len(samples)
     counts: dict[str, np.ndarray] = {}
+    kinds: dict[str, dict[str, int]] = {}
     for t in tallies:
         for k, v in t["counts"].items():
             counts[k] = counts.get(k, np.zeros(intervals, dtype=np.int64)) + np.array(v[:intervals])
+        for kind, outcomes in t["kinds"].items():
+            merged = kinds.setdefault(kind, {})
+            for outcome, n in outcomes.items():
+                merged[outcome] = merged.get(outcome, 0) + n
     ttft = sum(np.array(t["ttft"]) for t in tallies)
     itl = sum(np.array(t["itl"]) for t in tallies)
     for i, s in enumerate(samples):
@@ -372,9 +516,11 @@ def summarize(args, samples, tallies, job, final, idle_after, startup, info, mod
     # 0.4-minute CI soak sampled once before the job and failed on that step)
     steady = [s for s in samples if s["job"] not in ("pending", "running")]
     gpu = [s["gpu_used_bytes"] for s in steady] if samples[0]["gpu_used_bytes"] is not None else None
+    failed_kinds = ", ".join(f"{k} {v['good_failed']}" for k, v in sorted(kinds.items()) if v.get("good_failed"))
     checks = {
         "no good request failed": (total.get("good_failed", 0) == 0,
-                                   f"{total.get('good_ok', 0)} ok, {total.get('good_failed', 0)} failed"),
+                                   f"{total.get('good_ok', 0)} ok, {total.get('good_failed', 0)} failed"
+                                   + (f" ({failed_kinds})" if failed_kinds else "")),
         "bad requests got 4xx": (bad_other == 0, f"{total.get('bad_4xx', 0)} 4xx, {bad_other} other"),
         "gauges back to 0": (idle_after is not None and all(final.get(g) == 0 for g in GAUGES),
                              f"idle {idle_after:.1f} s after the load" if idle_after is not None else "never idle"),
@@ -390,7 +536,8 @@ def summarize(args, samples, tallies, job, final, idle_after, startup, info, mod
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": model, "max_model_len": info["max_total_tokens"], "startup": startup,
         "git_commit": git_commit(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__, "totals": total, "job": job, "samples": samples,
+        "torch": torch.__version__, "json_outputs": json_outputs, "totals": total, "kinds": kinds, "job": job,
+        "samples": samples,
         "errors": [e for t in tallies for e in t["errors"]][:100],
         "verdict": {"passed": all(c["ok"] for c in checks.values()), "checks": checks},
     }

@@ -4,6 +4,10 @@ A full block is identified by a hash chained over its token ids and all blocks b
 mean equal prefixes. A full block is registered once its KV is known to be written: `append(seq, tokens)`
 registers full blocks lying entirely before the last token (the last token's KV is written by the next step);
 `publish(seq, tokens)` registers them without growing the table (a prefill whose KV is now written).
+
+With record_events(), every change to the prefix cache's contents is recorded in `events`, in order, for the KV-cache
+events a router reads (service.engine.kv_events): ("cleared",); ("stored", hash, parent hash or None, the block's
+keys, the sequence's first key) when a block is registered; ("removed", hash) when its block is reused (LRU eviction).
 """
 from kvcache.block_allocator import BlockAllocator
 
@@ -23,6 +27,16 @@ class BlockManager:
         self.hashes: dict[object, list[int]] = {}  # chained hashes of the sequence's registered full blocks
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.events: list[tuple] | None = None  # None: not recorded
+
+    def record_events(self) -> None:
+        """Records the prefix cache's changes from now on (call it while the cache is empty: before any sequence),
+        beginning with "cleared"."""
+        self.events = [("cleared",)]
+
+    def take_events(self) -> list[tuple]:
+        events, self.events = self.events, []
+        return events
 
     # -- accounting ------------------------------------------------------------------------------------
     @property
@@ -45,7 +59,10 @@ class BlockManager:
         return hash((prev_hash, tuple(tokens)))
 
     def _forget(self, block: int) -> None:
-        del self.hash_to_block[self.block_to_hash.pop(block)]
+        h = self.block_to_hash.pop(block)
+        del self.hash_to_block[h]
+        if self.events is not None:
+            self.events.append(("removed", h))
 
     def _prefix_hits(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Cached blocks (and their hashes) of the longest cached prefix of full blocks before the last token."""
@@ -119,12 +136,16 @@ class BlockManager:
             return
         table, hashes, bs = self.tables[seq_id], self.hashes[seq_id], self.block_size
         for index in range(len(hashes), (len(token_ids) - 1) // bs):
-            h = self._chain(hashes[-1] if hashes else 0, token_ids[index * bs:(index + 1) * bs])
+            keys = token_ids[index * bs:(index + 1) * bs]
+            parent = hashes[-1] if hashes else None
+            h = self._chain(0 if parent is None else parent, keys)
             hashes.append(h)
             block = table[index]
             if h not in self.hash_to_block and block not in self.block_to_hash:
                 self.hash_to_block[h] = block
                 self.block_to_hash[block] = h
+                if self.events is not None:
+                    self.events.append(("stored", h, parent, keys, token_ids[0]))
 
     def fork(self, parent_seq_id, child_seq_id) -> None:
         if child_seq_id in self.tables:

@@ -1,6 +1,7 @@
 """Every setting of the service, from the command line (--model ...) or the environment (LLM_MODEL=...)."""
 import os
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
@@ -58,6 +59,22 @@ class Settings(BaseSettings):
                                              "their tokens do)")
     async_scheduling: bool | None = Field(None, description="schedule and prepare step N+1 while the GPU runs step "
                                           "N (default: on for CUDA, off on the CPU, where nothing runs beside)")
+    kv_events_endpoint: str | None = Field(None, description="publish the prefix cache's block stored / removed / "
+                                           "cleared events (vLLM's KV events: msgpack over a ZeroMQ PUB socket) "
+                                           "here, for a prefix-aware router: tcp://*:5557 binds (core K on port "
+                                           "+ K), tcp://router:5557 connects (every core). Unset: none")
+    kv_events_topic: str = Field("", description="topic frame of every KV-event message (llm-d's indexer "
+                                 "wants kv@<pod>@<model>)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="fcfs: requests wait in arrival "
+                                                           "order; priority: by their `priority` (lower first), "
+                                                           "and the lowest are preempted first")
+    stream_interval: int = Field(1, ge=1, description="streamed responses send a request's tokens every N tokens "
+                                 "(its first at once, its last when it ends): fewer, larger events")
+    max_loras: int = Field(8, ge=0, description="LoRA adapters a step may serve, each from a slot on the device "
+                           "(allocated at start; their steps replay CUDA graphs of their own): more distinct "
+                           "adapters wait for a slot; 0: adapters are served eagerly")
+    max_lora_rank: int = Field(16, ge=1, le=256, description="highest LoRA rank a slot holds (memory grows with it); "
+                               "adapters of higher rank, and dense ones, are served eagerly")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "
                                    "results, kept across restarts so a warm start skips compiling and autotuning")
 
@@ -101,11 +118,33 @@ class Settings(BaseSettings):
     finetune_max_files: int = Field(1000, ge=1, description="training files kept (DELETE /v1/files/{id} frees one)")
     finetune_max_jobs: int = Field(1000, ge=1, description="fine-tuning jobs kept, finished ones included")
     finetune_max_messages: int = Field(256, ge=1, description="messages per chat example of a training file")
+    lora_modules: list[str] = Field([], description="LoRA adapters served from the start, as name=path (a PEFT "
+                                    "adapter's directory, or one of our adapter files), on every engine core: "
+                                    "--lora-modules a=/p --lora-modules b=/q, or a JSON list "
+                                    "(LLM_LORA_MODULES='[\"a=/p\", \"b=/q\"]')")
+    max_cpu_loras: int | None = Field(None, ge=1, description="LoRA adapters whose weights stay loaded (least "
+                                      "recently used first out); a request for another reloads it from its path. "
+                                      "Default: every served adapter stays loaded")
 
     @field_validator("model", mode="before")
     @classmethod
     def _empty_model_is_default(cls, value):
         # Compose passes LLM_MODEL through as "" when the host leaves it unset.
+        return value or None
+
+    @field_validator("lora_modules")
+    @classmethod
+    def _name_equals_path(cls, value: list[str]) -> list[str]:
+        bad = [m for m in value if not all(m.partition("=")[::2])]
+        if bad:
+            raise ValueError(f"lora_modules: expected name=path, got {bad[0]!r}")
+        return value
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"kv_events_endpoint: expected tcp://, ipc:// or inproc://, got {value!r}")
         return value or None
 
     @field_validator("api_key_routes")
@@ -123,6 +162,33 @@ class Settings(BaseSettings):
         if not 16 <= value <= 256 or value & (value - 1):
             raise ValueError(f"block_size must be a power of two in 16..256, got {value}")
         return value
+
+
+# Every limit a client can run into: its setting, what it bounds, and what a request beyond it gets. The README's
+# Limits table says the same; /openapi.json says it with the running server's values.
+LIMITS = (
+    ("max_request_bytes", "bytes of a request body", "413"),
+    ("body_timeout", "seconds to send a request's body", "408"),
+    ("header_timeout", "seconds to send a request's headers", "the connection is closed"),
+    ("keep_alive_timeout", "seconds an idle keep-alive connection stays open", "the connection is closed"),
+    ("max_concurrent_requests", "requests one front-end serves at once", "503 with Retry-After"),
+    ("max_waiting_requests", "requests waiting to run, those whose grammar compiles included", "429 overloaded"),
+    ("max_model_len", "tokens of a prompt plus max_tokens", "422 context_length_exceeded"),
+    ("max_request_sequences", "sequences of one request: prompts x n (or best_of)", "422"),
+    ("max_request_tokens", "tokens of one request: its prompts' plus max_tokens for every sequence (an unset "
+     "max_tokens is lowered to fit)", "422"),
+    ("max_stop_sequences", "stop strings of a request", "422"),
+    ("max_grammar_bytes", "bytes of a JSON schema or regular expression (response_format, a tool's parameters, "
+     "TGI's grammar)", "400 invalid_grammar"),
+    ("grammar_compile_timeout", "seconds a grammar may take to compile; the same grammar is refused at once "
+     "afterwards", "400 invalid_grammar"),
+    ("grammar_cache_bytes", "memory of compiled grammars: the cache, and as much for running requests' grammars",
+     "the request waits (counted as waiting)"),
+    ("finetune_max_file_bytes", "bytes of a training file", "413"),
+    ("finetune_max_files", "training files kept", "400 limit_reached"),
+    ("finetune_max_jobs", "fine-tuning jobs kept", "400 limit_reached"),
+    ("finetune_max_messages", "messages of a chat example in a training file", "400"),
+)
 
 
 def usable_cpus() -> int:

@@ -46,6 +46,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     top_logprobs: int = 0
     grammar: Grammar | None = None
     n: int = 1  # completions of one prompt: they share its KV blocks, and child i draws with seed + i
+    priority: int = 0  # scheduling_policy "priority": lower values are served first (vLLM's convention)
 
     @property
     def greedy(self) -> bool:
@@ -95,7 +96,8 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True):
-    """A remote call into the core (fine-tuning jobs and files); answered by a Reply with the same call_id."""
+    """A remote call into the core (fine-tuning jobs and files, on core 0; loading and unloading LoRA adapters, on
+    every core); answered by a Reply with the same call_id."""
     call_id: int
     method: str
     kwargs: dict[str, Any] = {}
@@ -109,12 +111,14 @@ class EngineInfo(msgspec.Struct, tag=True, array_like=True):
     max_model_len: int
     vocab_size: int
     kv_capacity_tokens: int
-    adapters: list[str]
+    adapters: list[str]  # the LoRA adapters this core serves, by name (the model names of /v1/models)
 
 
 class Rejection(msgspec.Struct, array_like=True):
     request_id: str
-    reason: str  # "overloaded" (HTTP 429), "invalid" (HTTP 422) or "grammar" (the grammar does not compile: 400)
+    # "overloaded" (HTTP 429), "invalid" (HTTP 422), "grammar" (the grammar does not compile: 400) or "adapter" (the
+    # adapter it names is not served, unloaded before the front-end heard: 404)
+    reason: str
     message: str
 
 
@@ -149,7 +153,10 @@ class Reply(msgspec.Struct, tag=True, array_like=True):
 
 
 class AdaptersChanged(msgspec.Struct, tag=True, array_like=True):
+    """The adapters the core serves now, after a load or an unload. published: a finished fine-tuning job's
+    adapter (name: file), sent to one front-end, which has the other cores load it too."""
     adapters: list[str]
+    published: dict[str, str] = {}
 
 
 ToCore = Hello | AddRequest | Abort | Call

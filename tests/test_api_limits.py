@@ -286,3 +286,20 @@ def test_a_failing_engine_step_is_a_500_and_the_service_keeps_serving():
         assert requests_total(m, "generate", "internal_error") == 1
         assert requests_total(m, "generate_stream", "internal_error") == 1
         assert m[("llm_kv_cache_usage_ratio", CORE)] == 0
+
+
+def test_every_limit_is_documented_with_its_setting_in_the_readme_and_in_the_openapi_description():
+    from pathlib import Path
+
+    from service.api import create_app
+    from service.api.openapi import openapi_schema
+    from service.config import LIMITS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme[readme.index("**Limits.**"):readme.index("### Fine-tuning")]
+    settings = Settings(max_request_sequences=77, grammar_compile_timeout=2.5)
+    description = openapi_schema(create_app(settings, "ipc:///nowhere"))["info"]["description"]
+    for name, _, _ in LIMITS:
+        assert name in Settings.model_fields, name
+        assert f"| `{name}` |" in table, f"{name} is missing from the README's Limits table"
+        assert f"| `{name}` | {getattr(settings, name)} |" in description, name

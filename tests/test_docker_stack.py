@@ -143,7 +143,7 @@ def test_dashboard_panels_use_the_provisioned_datasource_and_have_queries(path):
         assert panel["targets"], f"{panel['title']} has no query"
         for target in panel["targets"]:
             assert target["datasource"]["uid"] == uid, panel["title"]
-            assert target["expr"].strip() and re.search(r"\bllm_|\bup\b", target["expr"]), panel["title"]
+            assert target["expr"].strip() and re.search(r"\bllm_|\bvllm:|\bup\b", target["expr"]), panel["title"]
 
 
 def test_dashboard_covers_every_exported_metric():

@@ -177,3 +177,34 @@ def test_a_thousand_distinct_schemas_leave_the_core_within_its_memory_bound():
         asyncio.run(main())
         grown = core.memory_info().rss - start
         assert grown < 300 << 20, f"the engine core grew by {grown >> 20} MiB over 1000 schemas"
+
+
+@pytest.mark.parametrize("route,body,fragment", [
+    ("/v1/completions", {"response_format": schema_format({"anyOf": []})}, "matches no output"),
+    ("/v1/completions", {"response_format": schema_format({"oneOf": []})}, "matches no output"),
+    ("/v1/completions", {"response_format": schema_format({"not": {}})}, "'not' is not supported"),
+    ("/v1/completions", {"response_format": schema_format({"type": "array", "items": {"type": "integer"},
+                                                           "uniqueItems": True})}, "'uniqueItems' is not supported"),
+    ("/generate", {"grammar": {"type": "regex", "value": "\\ud800"}}, "surrogates"),
+    ("/generate", {"grammar": {"type": "regex", "value": "[\\ud800-\\udfff]+"}}, "surrogates"),
+])
+def test_grammars_that_cannot_be_held_to_are_a_400_not_an_empty_or_invalid_200(service, route, body, fragment):
+    if route == "/generate":
+        r = httpx.post(service.url + route, timeout=60,
+                       json={"inputs": "x", "parameters": {"max_new_tokens": 8, **body}})
+        message = r.json()["error"]
+    else:
+        r = httpx.post(service.url + route, timeout=60, json={"model": "tgi", "prompt": "a", "max_tokens": 8, **body})
+        message = r.json()["error"]["message"]
+    assert r.status_code == 400 and fragment in message, r.text
+
+
+def test_a_property_named_like_an_unsupported_keyword_is_fine(service):
+    r = complete(service.url, {"type": "object", "properties": {"not": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 9}}, "required": ["not"]})
+    assert r.status_code == 200 and json.loads(r.json()["choices"][0]["text"])["not"] in range(10), r.text
+
+
+def test_logit_bias_keys_are_ascii_digits(service):
+    r = httpx.post(f"{service.url}/v1/completions", json={"model": "tgi", "prompt": "a", "logit_bias": {"٣": 5}})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "logit_bias", r.text

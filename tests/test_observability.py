@@ -2,7 +2,9 @@
 environment of docker/docker-compose.yml (on CPU, on a loopback port), a real Prometheus running
 docker/prometheus/prometheus.yml (retargeted there, scraping every second), a short headless locust run of
 loadtest/locustfile.py, then every PromQL expression of every panel of the provisioned Grafana dashboard
-evaluated through Prometheus's HTTP API: each must succeed and return data.
+evaluated through Prometheus's HTTP API: each must succeed and return data. The same for vLLM's own example
+dashboard (tests/data/vllm_grafana, unmodified): a dashboard written for vLLM shows this service's data, and every
+model-server series under vLLM's names (tests/test_vllm_metrics.py) reaches Prometheus.
 
 Needs the `prometheus` binary (Debian package `prometheus`); without it the test is skipped, except in CI
 (CI=true), where it fails.
@@ -25,10 +27,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_vllm_metrics import SERIES
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DASHBOARDS = sorted((DOCKER / "grafana" / "dashboards").glob("*.json"))
+VLLM_DASHBOARD = ROOT / "tests" / "data" / "vllm_grafana" / "grafana.json"
 # Concrete values for Grafana's built-in variables; 1m spans the whole load run at a 1 s scrape interval.
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "5s", "$__range": "5m"}
 LOAD_USERS, LOAD_SECONDS = 4, 20
@@ -149,7 +153,7 @@ def promql(base: str, expr: str) -> dict:
     return answer["data"]
 
 
-def dashboard_queries() -> list[tuple[str, str]]:
+def dashboard_queries(paths=DASHBOARDS, variables=GRAFANA_VARIABLES) -> list[tuple[str, str]]:
     """(panel title, PromQL with Grafana variables substituted) for every target of every panel."""
     queries = []
 
@@ -158,13 +162,26 @@ def dashboard_queries() -> list[tuple[str, str]]:
             visit(panel.get("panels", []))
             for target in panel.get("targets", []):
                 expr = target["expr"]
-                for name, value in GRAFANA_VARIABLES.items():
+                for name, value in variables.items():
                     expr = expr.replace(name, value)
                 queries.append((panel["title"], expr))
 
-    for path in DASHBOARDS:
+    for path in paths:
         visit(json.loads(path.read_text())["panels"])
     return queries
+
+
+def failing(base: str, queries: list[tuple[str, str]]) -> list[str]:
+    """The queries that fail or return no data, each with why."""
+    problems = []
+    for title, expr in queries:
+        assert "$" not in expr, f"{title}: unsubstituted Grafana variable in {expr}"
+        data = promql(base, expr)
+        if "error" in data:
+            problems.append(f"{title}: {expr}\n    {data['error']}")
+        elif not data["result"]:
+            problems.append(f"{title}: {expr}\n    no data")
+    return problems
 
 
 def test_observe_many_adds_what_observe_would():
@@ -270,26 +287,50 @@ def test_load_test_has_no_failures(observed):
 
 
 def test_every_dashboard_query_returns_data(observed):
-    base = observed[0]
     queries = dashboard_queries()
     assert queries, "no dashboard queries found"
-    problems = []
-    for title, expr in queries:
-        assert "$" not in expr, f"{title}: unsubstituted Grafana variable in {expr}"
-        data = promql(base, expr)
-        if "error" in data:
-            problems.append(f"{title}: {expr}\n    {data['error']}")
-        elif not data["result"]:
-            problems.append(f"{title}: {expr}\n    no data")
+    problems = failing(observed[0], queries)
     assert not problems, "dashboard queries that fail:\n" + "\n".join(problems)
+
+
+def test_vllms_dashboard_shows_the_service_in_every_panel(observed):
+    """vLLM's example dashboard, unmodified: its $model_name variable (label_values(model_name)) offers the served
+    model, and with it every panel (requests, latencies, tokens, cache, queues, finish reasons) has data."""
+    base = observed[0]
+    status, body = http_get(f"{base}/api/v1/label/model_name/values")
+    assert status == 200, body
+    (model,) = json.loads(body)["data"]
+    queries = dashboard_queries([VLLM_DASHBOARD], {**GRAFANA_VARIABLES, "$model_name": model})
+    assert len({title for title, _ in queries}) == 12, queries
+    problems = failing(base, queries)
+    assert not problems, "vLLM dashboard queries that fail:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("name", sorted(SERIES))
+def test_every_vllm_series_reaches_prometheus(observed, name):
+    """Each model-server series under vLLM's name, with its labels (those with values: Prometheus drops empty ones,
+    such as the adapters of an idle server's vllm:lora_requests_info)."""
+    kind, labels = SERIES[name]
+    sample = name + {"counter": "_total", "histogram": "_bucket"}.get(kind, "")
+    result = promql(observed[0], f"count by ({', '.join(sorted(labels))}) ({sample})")["result"]
+    assert result, f"Prometheus has no {sample}"
+    for series in result:
+        present = {k for k, v in series["metric"].items() if v}
+        assert present <= labels and present >= labels - {"running_lora_adapters", "waiting_lora_adapters"}, series
 
 
 @pytest.mark.parametrize("expr", [
     *(f"histogram_quantile(0.5, sum by (le) (rate({m}_bucket[1m])))" for m in
       ("llm_time_to_first_token_seconds", "llm_inter_token_latency_seconds", "llm_e2e_request_latency_seconds")),
+    *(f"histogram_quantile(0.5, sum by (le) (rate({m}_bucket[1m])))" for m in
+      ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds")),
     "sum(rate(llm_generation_tokens_total[1m]))",
+    "sum(rate(vllm:generation_tokens_total[1m]))",
+    "sum(rate(vllm:prompt_tokens_total[1m]))",
+    'sum(rate(vllm:request_success_total{finished_reason=~"stop|length"}[1m]))',
     # every locust prompt starts with the same instructions
     "sum(rate(llm_prefix_cache_hit_tokens_total[1m])) / sum(rate(llm_prefix_cache_queried_tokens_total[1m]))",
+    "sum(rate(vllm:prefix_cache_hits_total[1m])) / sum(rate(vllm:prefix_cache_queries_total[1m]))",
 ])
 def test_load_shows_in_the_panels(observed, expr):
     """The load reaches the series behind the panels: real positive numbers, not just NaN or 0."""

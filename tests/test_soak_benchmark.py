@@ -1,5 +1,6 @@
-"""benchmarks/soak.py on the CPU, shortened: mixed load with disconnects, bad requests and a fine-tuning job
-against the real server with the embedded model; the run must pass and its JSON carry what the plot shows."""
+"""benchmarks/soak.py on the CPU, shortened: mixed load with disconnects, structured outputs, tool calls, fan-out,
+logit_bias, bad requests and a fine-tuning job against the real server with the embedded model; the run must pass
+and its JSON carry what the plot shows."""
 import json
 import subprocess
 import sys
@@ -19,5 +20,8 @@ def test_a_short_soak_passes_on_the_cpu(tmp_path):
                                                 "fine-tuning job succeeded", "host memory flat"}
     totals = result["totals"]
     assert totals["good_ok"] > 20 and totals["bad_4xx"] > 0 and "good_failed" not in totals
+    # The newer surface ran too (the embedded model spells JSON: schemas and forced tool calls, not their stand-ins).
+    # Each client draws its kinds from a fixed seed: by every client's 7th request, all four have come up.
+    assert result["json_outputs"] and {"structured", "tools", "fan_out", "logit_bias"} <= set(result["kinds"])
     sample = result["samples"][-1]
     assert sample["rss_bytes"] > 0 and sample["job"] == "succeeded" and sample["ttft_p99_ms"] is not None

@@ -1,10 +1,14 @@
 """A tiny decoder trained through kernels.flash_attn_func: the loss falls and every parameter's gradient
-matches the same model on torch SDPA."""
+matches the same model on torch SDPA. The trainer's chunked loss (service.finetune.loss) against the plain one:
+values and gradients, alone and through a training step."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from service.finetune import loss as chunked
+from service.finetune.data import Example
+from service.finetune.loss import IGNORE, linear_cross_entropy, linear_cross_entropy_ref
 from tests.helpers import rel_err
 
 interface = pytest.importorskip("kernels.interface")
@@ -104,3 +108,77 @@ def test_training_matches_sdpa(device):
 @pytest.mark.gpu
 def test_training_matches_sdpa_bf16():
     _check_training("cuda", torch.bfloat16, batch=8, seqlen=256, steps=30, tol=2e-2)
+
+
+# -- the chunked loss ------------------------------------------------------------------------------------------
+def _loss_inputs(dtype, tokens=37, dim=16, vocab=101):
+    hidden = torch.randn(tokens, dim, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, dim, dtype=dtype)
+    labels = torch.randint(0, vocab, (tokens,))
+    labels[8:16] = IGNORE  # a whole chunk of 8 rows without a target
+    labels[torch.rand(tokens) < 0.2] = IGNORE
+    labels[-1] = IGNORE
+    return hidden, weight, labels
+
+
+def _value_and_grad(loss_fn, hidden, weight, labels, **kwargs):
+    hidden.grad = None
+    loss = loss_fn(hidden, weight, labels, **kwargs)
+    n = int((labels != IGNORE).sum())
+    (loss / n).backward()  # the trainer's mean over the step's targets
+    return loss.detach(), hidden.grad.clone()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("chunk_rows", [8, 5, 1000])  # 37 tokens: whole chunks and a short last one; one chunk
+def test_chunked_loss_matches_the_plain_loss(dtype, tol, chunk_rows):
+    hidden, weight, labels = _loss_inputs(dtype)
+    loss, grad = _value_and_grad(linear_cross_entropy, hidden, weight, labels, chunk_rows=chunk_rows)
+    ref_loss, ref_grad = _value_and_grad(linear_cross_entropy_ref, hidden, weight, labels)
+    assert loss.dtype == ref_loss.dtype == torch.promote_types(dtype, torch.float32) and grad.dtype == dtype
+    assert rel_err(loss, ref_loss) < max(tol, 1e-6), (loss, ref_loss)  # float32 sums, in another order
+    assert rel_err(grad, ref_grad) < tol
+    assert not grad[labels == IGNORE].any()  # rows without a target get no gradient
+    with torch.no_grad():  # evaluation: the value alone
+        assert rel_err(linear_cross_entropy(hidden, weight, labels, chunk_rows=chunk_rows), ref_loss) < max(tol, 1e-6)
+
+
+def test_chunked_loss_leaves_a_trained_weight_to_the_plain_loss():
+    hidden, weight, labels = _loss_inputs(torch.float64)
+    weight.requires_grad_(True)
+    linear_cross_entropy(hidden, weight, labels, chunk_rows=8).backward()
+    ref = weight.grad.clone()
+    weight.grad = None
+    linear_cross_entropy_ref(hidden, weight, labels).backward()
+    assert rel_err(ref, weight.grad) < 1e-12
+
+
+def test_a_training_step_updates_the_adapter_as_the_plain_loss_does(tmp_path, monkeypatch):
+    from service.finetune import trainer as training
+    from service.model.loader import load_model
+    from service.model.lora import LoRAConfig
+    from tests.tiny_models import VOCAB, make_tiny_model
+
+    model = load_model(make_tiny_model("qwen2", tmp_path / "qwen2"), torch.float32, "cpu")
+    examples = []
+    for length, prompt in [(50, 10), (77, 0), (130, 60), (21, 5), (64, 64 - 2), (99, 30)]:
+        ids = torch.randint(3, VOCAB, (length,)).tolist()
+        examples.append(Example(ids, [False] * prompt + [True] * (length - prompt)))
+    monkeypatch.setattr(chunked, "CHUNK_ELEMENTS", 1)  # chunks of 128 rows: 2-3 per micro-batch of ~200 tokens
+
+    def train(loss_fn):
+        monkeypatch.setattr(training, "linear_cross_entropy", loss_fn)
+        trainer = training.Trainer(model, examples, training.TrainConfig(learning_rate=1e-2, batch_size=4,
+                                                                         micro_batch_size=2, n_epochs=2),
+                                   LoRAConfig(rank=4, alpha=8))
+        steps = trainer.micro_batches()
+        next(steps)  # the first micro-batch's backward: B starts at zero, so only B has a gradient yet
+        grads = torch.cat([t.grad.flatten() for t in trainer.adapter.parameters()])
+        losses = [r.loss for r in steps if r is not None]
+        return grads, losses, torch.cat([t.detach().flatten() for t in trainer.adapter.parameters()])
+
+    grads, losses, weights = train(linear_cross_entropy)
+    ref_grads, ref_losses, ref_weights = train(linear_cross_entropy_ref)
+    assert len(losses) == 4 and rel_err(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-5
+    assert grads.any() and rel_err(grads, ref_grads) < 1e-5
+    assert rel_err(weights, ref_weights) < 1e-5

@@ -12,7 +12,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from service.api import finetune_routes, openai_routes, tgi_routes, tokenize_routes
+from service.api import adapter_routes, finetune_routes, openai_routes, responses_routes, tgi_routes, tokenize_routes
 from service.api.auth import protected_groups, require_any_api_key, require_api_key
 from service.api.engine_client import EngineClient
 from service.api.errors import RETRY_AFTER_SECONDS, APIError, error_response, install_handlers
@@ -22,7 +22,8 @@ from service.config import Settings, local_model_dir
 from service.metrics import FrontendMetrics, exposition
 
 ENDPOINTS = {"/": "generate", "/generate": "generate", "/generate_stream": "generate_stream",
-             "/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+             "/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+             "/v1/responses": "responses"}
 OUTCOME_BY_STATUS = {429: "overloaded", 499: "aborted", 503: "overloaded"}
 QUIET_PATHS = {"/health", "/metrics"}  # scraped every few seconds: logged at debug level only
 _REQUEST_ID = re.compile(r"[\w.:-]{1,128}")
@@ -72,7 +73,9 @@ def create_app(settings: Settings, engine_address: str | list[str], name: str | 
     app.add_middleware(RequestLog)
     app.include_router(tgi_routes.router)
     app.include_router(openai_routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(finetune_routes.router)
+    app.include_router(adapter_routes.router)
     app.include_router(tokenize_routes.router)
 
     @app.get("/health")

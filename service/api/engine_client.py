@@ -9,8 +9,8 @@ waiting tokens at once, so its HTTP writes batch up by themselves under load.
 
 With data parallelism the front-end holds a connection to each engine core and routes each new request to one
 of them (EngineClient._route: prefix affinity, bounded by load); everything about a request then goes to the core
-that owns it. Fine-tuning calls and requests for an adapter go to core 0, the one core that trains and serves
-adapters.
+that owns it. Fine-tuning calls go to core 0, the one core that trains; every core serves every LoRA adapter, and
+loading or unloading one is a call to them all (call_all).
 
 If a core goes away (its connection drops), every request in flight there fails with EngineDead and the front-end
 reports not ready until that core answers again.
@@ -28,7 +28,7 @@ from pathlib import Path
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from service.metrics import FrontendMetrics, RequestTimer, observe_many
+from service.metrics import FrontendMetrics, RequestTimer
 from service.protocol import (
     Abort,
     AdaptersChanged,
@@ -61,6 +61,10 @@ class RequestRejected(ValueError):
     """The core refused the request: it can never be served as asked (HTTP 422)."""
 
 
+class AdapterNotServed(RequestRejected):
+    """The adapter the request names is not served (unloaded before this front-end heard of it: HTTP 404)."""
+
+
 class GrammarRejected(RequestRejected):
     """The request's grammar (JSON schema, regex) does not compile (HTTP 400)."""
 
@@ -78,11 +82,13 @@ class GrammarDeadEnd(EngineStepError):
 
 
 class CallError(Exception):
-    """A remote call refused by the core; carries the HTTP status, message, param and code."""
+    """A remote call refused by the core; carries the HTTP status, message, param and code. From call_all: also
+    the cores where the call succeeded."""
 
     def __init__(self, error: dict):
         super().__init__(error["message"])
         self.error = error
+        self.succeeded: list[CoreLink] = []
 
 
 @dataclass
@@ -105,8 +111,9 @@ class RequestStream:
     """One completion in flight: its text so far and the tokens its consumer has not taken yet. The consumer
     (service.api.generation) may share `ready` and `timer` among the completions of one request."""
 
-    def __init__(self, request_id: str, text: TextStream, special_ids: set[int]):
+    def __init__(self, request_id: str, text: TextStream, special_ids: set[int], engine: int = 0):
         self.request_id = request_id
+        self.engine = engine  # the index of the engine core that runs it
         self.text = text
         self.special_ids = special_ids
         self.timer: RequestTimer | None = None
@@ -115,6 +122,7 @@ class RequestStream:
         self.ready = asyncio.Event()
         self.count = 0
         self.finished = False
+        self.finish_reason: str | None = None
         self.error: Exception | None = None
 
     def push(self, out: RequestOutput) -> bool:
@@ -128,6 +136,7 @@ class RequestStream:
                                         out.cached_prompt_tokens, out.top_logprobs))
         self.count += 1
         self.finished = reason is not None
+        self.finish_reason = reason
         self.ready.set()
         return hit_stop
 
@@ -176,7 +185,8 @@ class EngineClient:
         self.special_ids: set[int] = set()
         self.max_token_chars = 0
         self.accepting = True
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, CoreLink]] = {}  # call id -> its answer, the core it went to
+        self._publishing: set[asyncio.Task] = set()
         self._call_ids = itertools.count()
         self._tokenizer_dir: Path | None = None
         self._tokenizer_task: asyncio.Task | None = None
@@ -187,7 +197,7 @@ class EngineClient:
     # -- what the routes read ----------------------------------------------------------------------------
     @property
     def info(self) -> EngineInfo | None:
-        """Core 0's: every core serves the same model, and core 0 alone the fine-tuned adapters."""
+        """Core 0's: every core serves the same model."""
         return self.cores[0].info
 
     @property
@@ -203,7 +213,9 @@ class EngineClient:
         return self.info.max_model_len
 
     def served_models(self) -> list[str]:
-        return [self.info.model_name, *self.info.adapters]
+        """The base model, then the adapters any core serves (all of them do, but while one loads or unloads)."""
+        adapters = [name for core in self.cores if core.info is not None for name in core.info.adapters]
+        return [self.info.model_name, *dict.fromkeys(adapters)]
 
     def may_fit(self, text: str) -> bool:
         """False when the text is certainly longer than the context: a check in constant time."""
@@ -275,9 +287,8 @@ class EngineClient:
         core.streams.clear()
         futures = [future for future, _, _ in core.admissions.values()]
         core.admissions.clear()
-        if core.index == 0:  # calls go to core 0
-            futures += self._calls.values()
-            self._calls.clear()
+        lost = [call_id for call_id, (_, to) in self._calls.items() if to is core]
+        futures += [self._calls.pop(call_id)[0] for call_id in lost]
         for future in futures:
             if not future.done():
                 future.set_exception(error)
@@ -329,15 +340,19 @@ class EngineClient:
         block goes to the least loaded core. Load is what this front-end has in flight on a core: the kernel
         spreads connections evenly over the front-ends, so each balancing its own share balances the cores, and
         a core that runs slowly (long prompts, a fine-tuning job) holds its requests longer and so gets fewer.
-        A request for an adapter goes to core 0, which alone trains and serves them."""
-        if len(self.cores) == 1 or adapter is not None:
-            return self.cores[0]
-        least = min(self.cores, key=lambda core: core.load)
+        A request for an adapter goes to a core that serves it: every core does, but while one loads or unloads it,
+        and while the other cores load a fine-tuning job's adapter, which core 0 serves first."""
+        cores = self.cores
+        if adapter is not None:
+            cores = [core for core in cores if core.info is not None and adapter in core.info.adapters] or cores
+        if len(cores) == 1:
+            return cores[0]
+        least = min(cores, key=lambda core: core.load)
         blocks = min(len(prompt_token_ids) // self.block_size, AFFINITY_BLOCKS)
         if blocks == 0:
             return least
         prefix = array("q", prompt_token_ids[:blocks * self.block_size]).tobytes()
-        home = self.cores[zlib.crc32(prefix) % len(self.cores)]  # the same in every process, unlike hash()
+        home = cores[zlib.crc32(prefix) % len(cores)]  # the same in every process, unlike hash()
         if home.load - least.load > max(AFFINITY_SLACK, least.load // 2):
             return least
         return home
@@ -352,11 +367,27 @@ class EngineClient:
     async def call(self, method: str, **kwargs):
         """A remote call into core 0, the one that keeps the fine-tuning files and runs the jobs; raises
         CallError with the HTTP error."""
+        return await self._call(self.cores[0], method, kwargs)
+
+    async def call_all(self, method: str, cores: list[CoreLink] | None = None, **kwargs) -> list:
+        """The call on every core (or on `cores`) at once: their results, in order. If it fails on any, the first
+        failure: EngineDead, or a CallError whose `succeeded` lists the cores where the call did succeed."""
+        cores = self.cores if cores is None else cores
+        results = await asyncio.gather(*(self._call(core, method, kwargs) for core in cores), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                if isinstance(result, CallError):
+                    result.succeeded = [core for core, r in zip(cores, results) if not isinstance(r, BaseException)]
+                raise result
+        return results
+
+    async def _call(self, core: CoreLink, method: str, kwargs: dict):
         if not self.ready:
             raise EngineDead("the engine core is not running")
         call_id = next(self._call_ids)
-        future = self._calls[call_id] = asyncio.get_running_loop().create_future()
-        self._send(self.cores[0], Call(call_id, method, kwargs))
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (future, core)
+        self._send(core, Call(call_id, method, kwargs))
         return await future
 
     # -- what the cores send -----------------------------------------------------------------------------
@@ -368,7 +399,7 @@ class EngineClient:
             elif isinstance(message, Admitted):
                 self._on_admitted(core, message)
             elif isinstance(message, Reply):
-                future = self._calls.pop(message.call_id, None)
+                future, _ = self._calls.pop(message.call_id, (None, None))
                 if future is not None and not future.done():
                     if message.error is None:
                         future.set_result(message.result)
@@ -377,6 +408,10 @@ class EngineClient:
             elif isinstance(message, AdaptersChanged):
                 if core.info is not None:
                     core.info.adapters = message.adapters
+                if message.published:  # this front-end was chosen to have the other cores load them
+                    task = self.loop.create_task(self._publish(core, message.published))
+                    self._publishing.add(task)  # the loop keeps only a weak reference
+                    task.add_done_callback(self._publishing.discard)
             elif isinstance(message, EngineInfo):
                 core.info_task = self.loop.create_task(self._on_info(core, message))
 
@@ -395,9 +430,19 @@ class EngineClient:
                 self.max_token_chars = max(map(len, tokenizer.get_vocab()))
                 self.tokenizer = tokenizer
         core.info = info
+        self.metrics.attach(info.model_name, core.index)
         log.info("attached to engine core %d serving %s", core.index, info.model_name)
         if self.ready:
             self._ready.set()
+
+    async def _publish(self, source: CoreLink, adapters: dict[str, str]) -> None:
+        """Has every core but `source` load the adapters (name: file) of fine-tuning jobs that finished there."""
+        others = [core for core in self.cores if core is not source]
+        for name, path in adapters.items():
+            try:
+                await self.call_all("load_adapter", others, name=name, path=path)
+            except (CallError, EngineDead) as e:
+                log.error("the other engine cores cannot serve adapter %s (%s): %s", name, path, e)
 
     async def wait_ready(self) -> None:
         """Returns once every engine core has answered and the tokenizer is loaded."""
@@ -414,14 +459,14 @@ class EngineClient:
             streams = []
             for choice_id in choice_ids(request_id, params.n):
                 text = TextStream(self.tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
-                streams.append(RequestStream(choice_id, text, self.special_ids))
+                streams.append(RequestStream(choice_id, text, self.special_ids, core.index))
                 core.streams[choice_id] = streams[-1]
             future.set_result(streams)
         for rejection in message.rejected:
             future, _, _ = core.admissions.pop(rejection.request_id, (None, None, None))
             if future is not None and not future.done():
-                error = {"overloaded": EngineOverloaded, "grammar": GrammarRejected}.get(rejection.reason,
-                                                                                       RequestRejected)
+                error = {"overloaded": EngineOverloaded, "grammar": GrammarRejected,
+                         "adapter": AdapterNotServed}.get(rejection.reason, RequestRejected)
                 future.set_exception(error(rejection.message))
 
     def _on_step(self, core: CoreLink, outputs: list[RequestOutput]) -> None:
@@ -439,6 +484,6 @@ class EngineClient:
                 stream.timer.on_tokens(now, 1, gaps, out.queue_seconds)
             if stream.finished:
                 del core.streams[out.request_id]
-        observe_many(self.metrics.inter_token_latency, gaps)
+        self.metrics.observe_gaps(core.index, gaps)
         if stopped:
             self._send(core, Abort(stopped))

@@ -2,6 +2,7 @@
 timing its tokens, and aborting it the moment its client goes away."""
 import asyncio
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -12,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from service.api.engine_client import (
+    AdapterNotServed,
     EngineDead,
     EngineOverloaded,
     EngineStepError,
@@ -116,6 +118,13 @@ def request_budget(settings, prompts: list[list[int]], n: int, prompt_param: str
     return budget
 
 
+def check_priority(settings, priority: int, param: str) -> None:
+    """As in vLLM: a priority other than 0 needs the priority scheduling policy."""
+    if priority and settings.scheduling_policy != "priority":
+        raise APIError(400, f"{param}: this server schedules requests first come, first served (scheduling_policy "
+                            f"fcfs), not by priority; got {priority}", param=param, code="invalid_value")
+
+
 def check_grammar(grammar: Grammar | None, max_bytes: int, param: str) -> None:
     """What a grammar may be before it reaches the engine: at most max_grammar_bytes, and a JSON schema may only
     refer to its own parts (nothing is ever fetched: an external $ref would silently match anything)."""
@@ -124,29 +133,53 @@ def check_grammar(grammar: Grammar | None, max_bytes: int, param: str) -> None:
     if len(grammar.value.encode()) > max_bytes:
         raise APIError(400, f"{param}: the grammar is {len(grammar.value.encode())} bytes; at most {max_bytes} "
                             "(max_grammar_bytes)", param=param, code="invalid_grammar")
-    if grammar.kind == "json" and grammar.value and "$ref" in grammar.value:
-        try:
-            schema = json.loads(grammar.value)
-        except ValueError:
-            return  # the compiler says what is wrong with it
-        ref = _external_ref(schema)
-        if ref is not None:
-            raise APIError(400, f"{param}: $ref {ref!r} points outside the schema; only local references ('#...') "
+    if grammar.kind == "regex" and _SURROGATE.search(grammar.value):
+        raise APIError(400, f"{param}: the regex matches UTF-16 surrogates (\\ud800-\\udfff), which are not text",
+                       param=param, code="invalid_grammar")
+    if grammar.kind != "json" or not grammar.value:
+        return
+    try:
+        schema = json.loads(grammar.value)
+    except ValueError:
+        return  # the compiler says what is wrong with it
+    for keyword, value in _schema_keywords(schema):
+        if keyword == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            raise APIError(400, f"{param}: $ref {value!r} points outside the schema; only local references ('#...') "
                                 "are supported", param=param, code="invalid_grammar")
+        if keyword in UNSUPPORTED_KEYWORDS:
+            raise APIError(400, f"{param}: the schema keyword {keyword!r} is not supported (the output could not be "
+                                "held to it)", param=param, code="invalid_grammar")
 
 
-def _external_ref(node) -> str | None:
-    stack = [node]
+# JSON schema keywords xgrammar (0.2.8) does not enforce, or not in general: it would drop them, and outputs would
+# not validate. Refused instead. (multipleOf, propertyNames, min/maxProperties and patternProperties it enforces.)
+UNSUPPORTED_KEYWORDS = {"not", "if", "then", "else", "uniqueItems", "contains", "minContains", "maxContains",
+                        "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedProperties",
+                        "unevaluatedItems"}
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}|[\ud800-\udfff]")
+
+
+def _schema_keywords(schema):
+    """(keyword, value) of every schema in a JSON schema, subschemas included, never property names (a property
+    called "not" is no keyword). Iterative: a body nests deeper than Python's recursion reaches."""
+    stack = [schema]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
-            ref = node.get("$ref")
-            if isinstance(ref, str) and not ref.startswith("#"):
-                return ref
-            stack += node.values()
-        elif isinstance(node, list):
-            stack += node
-    return None
+        if not isinstance(node, dict):
+            continue
+        for keyword, value in node.items():
+            yield keyword, value
+            if keyword in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                stack += value.values()
+            elif keyword in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack += value
+            elif keyword in ("items", "additionalProperties", "not", "if", "then", "else", "contains") \
+                    and isinstance(value, dict):
+                stack.append(value)
+            elif keyword == "items" and isinstance(value, list):
+                stack += value
 
 
 def by_likelihood(choices: list[list[TokenOutput]]) -> list[int]:
@@ -167,8 +200,9 @@ class Generation:
         self.streams = streams
         self.engine_id = streams[0].request_id
         request.state.counted = True  # from here on the outcome is recorded by _finish(), not the error handler
-        self.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens)
+        self.timer = RequestTimer(request.app.state.metrics, endpoint, prompt_tokens, streams[0].engine)
         self.ready = asyncio.Event()
+        self.interval = request.app.state.settings.stream_interval
         early = 0
         for choice, stream in enumerate(streams):
             stream.choice, stream.timer, stream.ready = choice, self.timer, self.ready
@@ -214,6 +248,8 @@ class Generation:
                 raise overloaded() from None
             except GrammarRejected as e:
                 raise APIError(400, f"{grammar_param}: {e}", param=grammar_param, code="invalid_grammar") from None
+            except AdapterNotServed as e:
+                raise APIError(404, str(e), code="model_not_found") from None
             except RequestRejected as e:  # what the core can judge: the prompt against the model and KV cache
                 raise APIError(422, f"{prompt_param}: {e}", param=prompt_param, code="invalid_value") from None
             except EngineDead:
@@ -223,12 +259,13 @@ class Generation:
 
     async def batches(self) -> AsyncIterator[list[TokenOutput]]:
         """The request's tokens (of every completion, each with its `choice`), in lists of those that arrived
-        since the last one was taken."""
+        since the last one was taken. A completion's tokens are taken `interval` (stream_interval) at a time, but
+        its first at once and its last when it ends, as vLLM streams them."""
         try:
             while True:
                 await self.ready.wait()
                 self.ready.clear()
-                batch = [out for stream in self.streams for out in stream.take()]
+                batch = [out for stream in self.streams if self._due(stream) for out in stream.take()]
                 if batch:
                     yield batch
                 for stream in self.streams:
@@ -246,6 +283,10 @@ class Generation:
         finally:
             self.release()
 
+    def _due(self, stream: RequestStream) -> bool:
+        waiting = stream.waiting
+        return stream.finished or len(waiting) >= self.interval or bool(waiting) and waiting[0].index == 0
+
     def release(self) -> None:
         """Ends the request once: aborts what still runs in the core, and records its outcome."""
         if self.done:
@@ -253,7 +294,7 @@ class Generation:
         self.done = True
         for stream in self.streams:
             self.request.app.state.engine.abort(stream.request_id)
-        self.timer.finish(self.outcome)
+        self.timer.finish(self.outcome, self.streams)
         self.request.state.generation = (self.outcome, self.timer.prompt_tokens, self.timer.generated_tokens)
 
     async def collect(self) -> list[list[TokenOutput]] | None:

@@ -16,6 +16,7 @@ from service.api.generation import (
     Generation,
     by_likelihood,
     check_grammar,
+    check_priority,
     check_sequences,
     check_stop,
     encode_prompt,
@@ -64,7 +65,7 @@ def _sampling_params(req: OpenAIRequest, max_new_tokens: int, logprobs: bool, to
         repetition_penalty=req.repetition_penalty or 1.0, frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0, logit_bias=req.logit_bias or {}, min_p=req.min_p or 0.0,
         min_tokens=req.min_tokens or 0, seed=req.seed, stop=req.stop or [], logprobs=logprobs,
-        top_logprobs=top_logprobs, ignore_eos=req.ignore_eos, grammar=grammar, n=n)
+        top_logprobs=top_logprobs, ignore_eos=req.ignore_eos, grammar=grammar, n=n, priority=req.priority)
 
 
 def response_format_grammar(response_format: ResponseFormat | None) -> Grammar | None:
@@ -85,12 +86,12 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _stream_error(e: EngineStepError, grammar_param: str | None) -> bytes:
+def stream_error(e: EngineStepError, grammar_param: str | None) -> dict:
+    """The error object of a stream whose generation failed."""
     if isinstance(e, GrammarDeadEnd):  # the client's grammar, not the engine, failed
-        return sse({"error": {"message": f"{grammar_param}: {e}", "type": "invalid_request_error",
-                              "param": grammar_param, "code": "invalid_grammar"}})
-    return sse({"error": {"message": f"generation failed: {e}", "type": "internal_error", "param": None,
-                          "code": "engine_error"}})
+        return {"message": f"{grammar_param}: {e}", "type": "invalid_request_error", "param": grammar_param,
+                "code": "invalid_grammar"}
+    return {"message": f"generation failed: {e}", "type": "internal_error", "param": None, "code": "engine_error"}
 
 
 class _Call:
@@ -100,19 +101,20 @@ class _Call:
     @classmethod
     async def submit(cls, request: Request, req: OpenAIRequest, endpoint: str, prompts: list[list[int]],
                      max_tokens: int | None, default_max_tokens: int | None, logprobs: bool,
-                     top_logprobs: int, n: int, grammar: Grammar | None, grammar_param: str) -> "_Call":
+                     top_logprobs: int, n: int, grammar: Grammar | None, grammar_param: str,
+                     prompt_param: str = "messages", max_param: str = "max_tokens") -> "_Call":
         self = cls()
         client = engine(request)
         self.tokenizer = client.tokenizer
         adapter = resolve_model(client, req.model)
         settings = request.app.state.settings
         check_stop(req.stop or [], settings.max_stop_sequences, "stop")
+        check_priority(settings, req.priority, "priority")
         check_grammar(grammar, settings.max_grammar_bytes, grammar_param)
         if req.stream_options is not None and not req.stream:
             raise APIError(422, "stream_options: only allowed with stream=true", param="stream_options")
-        prompt_param = "prompt" if endpoint == "completions" else "messages"
         max_new_tokens = fit_context(max(map(len, prompts)), max_tokens, default_max_tokens, client.max_model_len,
-                                     prompt_param, "max_tokens", request_budget(settings, prompts, n, prompt_param))
+                                     prompt_param, max_param, request_budget(settings, prompts, n, prompt_param))
         if any(token >= client.info.vocab_size for token in req.logit_bias or {}):
             raise APIError(422, f"logit_bias: token ids must be below the vocabulary size {client.info.vocab_size}",
                            param="logit_bias")
@@ -132,27 +134,41 @@ class _Call:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream(self, opening: bytes | None, token_chunk: Callable[[TokenOutput], bytes | None], obj: str):
-        """The SSE lines of a streamed response: `opening`, then `token_chunk` of every token (None sends
-        nothing; each token names its choice), the usage chunk when the client asked for it, and [DONE]; an engine
-        failure ends the stream with an error event instead. The chunks of the tokens that arrived together go out
-        in one write."""
+    async def stream(self, opening: bytes | None, token_chunk: Callable[[list[TokenOutput]], bytes | None],
+                     obj: str):
+        """The SSE lines of a streamed response: `opening`, then `token_chunk` of every run of one choice's tokens,
+        stream_interval tokens at most (None sends nothing), the usage chunk when the client asked for it, and
+        [DONE]; an engine failure ends the stream with an error event instead. The chunks of the tokens that
+        arrived together go out in one write."""
         if opening is not None:
             yield opening
         generated = 0
         try:
             async for batch in self.generation.batches():
                 generated += len(batch)
-                chunks = [line for out in batch if (line := token_chunk(out)) is not None]
+                chunks = [line for run in _runs(batch, self.generation.interval)
+                          if (line := token_chunk(run)) is not None]
                 if chunks:
                     yield b"".join(chunks)
         except EngineStepError as e:
-            yield _stream_error(e, self.generation.grammar_param)
+            yield sse({"error": stream_error(e, self.generation.grammar_param)})
             return
         if self.include_usage:
             yield sse({"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [],
                        "usage": _usage(self.prompt_tokens, generated)})
         yield sse(b"[DONE]")
+
+
+def _runs(batch: list[TokenOutput], size: int):
+    """The batch's tokens in runs of consecutive tokens of one choice, `size` at most (one chunk each)."""
+    run = []
+    for out in batch:
+        if run and (out.choice != run[0].choice or len(run) == size):
+            yield run
+            run = []
+        run.append(out)
+    if run:
+        yield run
 
 
 def _json(content: dict) -> Response:
@@ -187,7 +203,7 @@ async def completions(request: Request):
     want_logprobs = req.logprobs is not None
     call = await _Call.submit(request, req, "completions", prompts, req.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS,
                               want_logprobs or best_of > req.n, req.logprobs or 0, best_of,
-                              response_format_grammar(req.response_format), "response_format")
+                              response_format_grammar(req.response_format), "response_format", "prompt")
     echoes = [client.tokenizer.decode(p) if req.echo else "" for p in prompts]
 
     def choice(index: int, text: str, outputs: list[TokenOutput], offset: int, finish_reason: str | None) -> dict:
@@ -213,11 +229,12 @@ async def completions(request: Request):
 
     offsets = [len(echoes[i // req.n]) for i in range(len(prompts) * req.n)]
 
-    def token_chunk(out: TokenOutput) -> bytes | None:
-        start = offsets[out.choice]
-        offsets[out.choice] += len(out.text)
-        if out.text or out.finished or want_logprobs:
-            return chunk(out.choice, out.text, [out], start, FINISH_REASONS.get(out.finish_reason))
+    def token_chunk(run: list[TokenOutput]) -> bytes | None:
+        i, last, text = run[0].choice, run[-1], "".join(out.text for out in run)
+        start = offsets[i]
+        offsets[i] += len(text)
+        if text or last.finished or want_logprobs:
+            return chunk(i, text, run, start, FINISH_REASONS.get(last.finish_reason))
         return None
 
     opening = b"".join(chunk(i, echoes[i // req.n], [], 0, None) for i in range(len(offsets))) if req.echo else None
@@ -226,17 +243,18 @@ async def completions(request: Request):
 
 # -- /v1/chat/completions -----------------------------------------------------------------------------------
 
-async def _chat_prompt(req: ChatCompletionRequest, client, tools: list[dict] | None) -> list[int]:
+async def _chat_prompt(req: ChatCompletionRequest, client, tools: list[dict] | None,
+                       param: str = "messages") -> list[int]:
     if not client.tokenizer.chat_template:
-        raise APIError(422, "messages: this model has no chat template; use /v1/completions", param="messages")
+        raise APIError(422, f"{param}: this model has no chat template; use /v1/completions", param=param)
     messages = template_messages(req.messages)
     if not client.may_fit(chat_text(messages, tools)):  # names and calls' arguments count too
-        raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} tokens",
-                       param="messages", code="context_length_exceeded")
+        raise APIError(422, f"{param}: the conversation cannot fit the context of {client.max_model_len} tokens",
+                       param=param, code="context_length_exceeded")
     try:
         return await client.encode_chat(messages, tools)
     except ChatTemplateError as e:  # the template's own checks (roles must alternate, ...), or a forged turn
-        raise APIError(422, f"messages: {e}", param="messages", code="invalid_value") from None
+        raise APIError(422, f"{param}: {e}", param=param, code="invalid_value") from None
 
 
 def _chat_logprobs(call: _Call, outputs: list[TokenOutput]) -> dict:
@@ -248,26 +266,41 @@ def _chat_logprobs(call: _Call, outputs: list[TokenOutput]) -> dict:
                          "top_logprobs": [entry(t, lp) for t, lp in out.top_logprobs or []]} for out in outputs]}
 
 
-def _tool_choice(req: ChatCompletionRequest):
-    """The effective tool_choice ("none" without tools), checked against the tools."""
+def _tool_choice(req: ChatCompletionRequest, tool_field: str = "tools.{}.function",
+                 choice_field: str = "tool_choice.function", format_field: str = "response_format"):
+    """The effective tool_choice ("none" without tools), checked against the tools. The fields name what errors
+    point at (the Responses API's tools are flat)."""
     names = [t.function.name for t in req.tools or []]
     choice = req.tool_choice or ("auto" if names else "none")
     if choice != "none" and not names:
         raise APIError(422, "tool_choice: requires tools", param="tool_choice")
     if not isinstance(choice, str) and choice.function.name not in names:
-        raise APIError(422, f"tool_choice.function.name: no tool named {choice.function.name!r} in tools",
-                       param="tool_choice.function.name")
+        raise APIError(422, f"{choice_field}.name: no tool named {choice.function.name!r} in tools",
+                       param=f"{choice_field}.name")
     if len(set(names)) != len(names):
         raise APIError(422, "tools: function names must be unique", param="tools")
     for i, tool in enumerate(req.tools or []):
         kind = (tool.function.parameters or {}).get("type", "object")
         if kind != "object":  # the arguments of a call are an object
-            raise APIError(422, f'tools.{i}.function.parameters: must be the schema of an object ("type": "object"), '
-                                f"not {kind!r}", param=f"tools.{i}.function.parameters", code="invalid_value")
+            field = f"{tool_field.format(i)}.parameters"
+            raise APIError(422, f'{field}: must be the schema of an object ("type": "object"), not {kind!r}',
+                           param=field, code="invalid_value")
     forced = choice == "required" or not isinstance(choice, str)
     if forced and req.response_format is not None and req.response_format.type != "text":
-        raise APIError(422, "response_format: cannot be combined with a forced tool_choice", param="response_format")
+        raise APIError(422, f"{format_field}: cannot be combined with a forced tool_choice", param=format_field)
     return choice
+
+
+def _reply(text: str, tool_choice, forced: bool, tools: list[dict] | None, fmt: str) -> tuple[str | None, list[dict]]:
+    """(content, calls) of a reply: a forced choice's calls as written, calls parsed from it under "auto", else its
+    text."""
+    if forced:
+        made = ForcedCalls(tool_choice)
+        made.feed(text)
+        return made.content(), made.calls
+    if tools:
+        return parse_calls(text, fmt)
+    return text, []
 
 
 def _finish(reason: str, calls: list[dict], forced: bool) -> str:
@@ -296,14 +329,7 @@ async def chat_completions(request: Request):
     fmt = tool_format(client.tokenizer.chat_template)
 
     def message(text: str) -> tuple[dict, list[dict]]:
-        if forced:
-            made = ForcedCalls(tool_choice)
-            made.feed(text)
-            calls, content = made.calls, made.content()
-        elif tools:
-            content, calls = parse_calls(text, fmt)
-        else:
-            content, calls = text, []
+        content, calls = _reply(text, tool_choice, forced is not None, tools, fmt)
         result = {"role": "assistant", "content": content}
         if calls:
             result["tool_calls"] = calls
@@ -332,21 +358,21 @@ async def chat_completions(request: Request):
     streams = [CallStream(fmt) for _ in range(req.n)]  # under "auto": content until a call opens
     made = [ForcedCalls(tool_choice) for _ in range(req.n)]  # forced: calls stream as they are written
 
-    def token_chunk(out: TokenOutput) -> bytes | None:
-        i, reason = out.choice, FINISH_REASONS.get(out.finish_reason)
+    def token_chunk(run: list[TokenOutput]) -> bytes | None:
+        i, text, reason = run[0].choice, "".join(out.text for out in run), FINISH_REASONS.get(run[-1].finish_reason)
         if not tools:
-            if out.text or out.finished or req.logprobs:
-                return chunk(i, {"content": out.text} if out.text else {}, [out], reason)
+            if text or run[-1].finished or req.logprobs:
+                return chunk(i, {"content": text} if text else {}, run, reason)
             return None
         lines = []
         if forced:
-            deltas = made[i].feed(out.text)
+            deltas = made[i].feed(text)
             if deltas or req.logprobs:
-                lines.append(chunk(i, {"tool_calls": deltas} if deltas else {}, [out], None))
+                lines.append(chunk(i, {"tool_calls": deltas} if deltas else {}, run, None))
         else:
-            piece = streams[i].feed(out.text)
+            piece = streams[i].feed(text)
             if piece or req.logprobs:
-                lines.append(chunk(i, {"content": piece} if piece else {}, [out], None))
+                lines.append(chunk(i, {"content": piece} if piece else {}, run, None))
         if reason is not None:
             if forced:
                 calls, rest = made[i].calls, made[i].content()

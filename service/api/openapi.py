@@ -1,27 +1,37 @@
 """The service's OpenAPI description (/openapi.json, /docs). The routes read and check their bodies themselves
 (service.api.body, so that errors have the service's shapes), so FastAPI sees no body parameter to describe: this
 adds each route's body schema from the pydantic models the route validates with, the error answers in the
-route's dialect, and the streaming and text media types."""
+route's dialect, the streaming and text media types, and the limits a request can meet (with this server's
+settings)."""
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
+from service.api.adapter_routes import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from service.api.finetune_routes import CreateJobRequest
 from service.api.schemas import (
+    MAX_CHOICES,
+    MAX_PROMPTS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ResponsesRequest,
     TGIRequest,
     TGITokenizeRequest,
     TokenizeRequest,
 )
+from service.config import LIMITS
 
 BODIES = {("/", "post"): TGIRequest, ("/generate", "post"): TGIRequest, ("/generate_stream", "post"): TGIRequest,
           ("/v1/completions", "post"): CompletionRequest, ("/v1/chat/completions", "post"): ChatCompletionRequest,
+          ("/v1/responses", "post"): ResponsesRequest,
           ("/v1/fine_tuning/jobs", "post"): CreateJobRequest, ("/detokenize", "post"): DetokenizeRequest,
-          ("/tokenize", "post"): (TGITokenizeRequest, TokenizeRequest)}  # a tuple: either body
+          ("/tokenize", "post"): (TGITokenizeRequest, TokenizeRequest),  # a tuple: either body
+          ("/v1/load_lora_adapter", "post"): LoadLoRAAdapterRequest,
+          ("/v1/unload_lora_adapter", "post"): UnloadLoRAAdapterRequest}
 # Routes answering with server-sent events: always (True), or when the body asks for a stream (False).
-STREAMS = {"/": False, "/generate_stream": True, "/v1/completions": False, "/v1/chat/completions": False}
+STREAMS = {"/": False, "/generate_stream": True, "/v1/completions": False, "/v1/chat/completions": False,
+           "/v1/responses": False}
 SSE_EVENT = {"type": "object", "required": ["data"],  # data: a JSON event (a token, a chunk, an error) or [DONE]
              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 ERROR_STATUSES = {"400": "Bad request", "401": "Missing or wrong API key", "404": "Not found",
@@ -52,8 +62,18 @@ def _ref(model: type[BaseModel], components: dict) -> dict:
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
+def limits_description(settings) -> str:
+    """The limits a request can meet, as a Markdown table, with these settings' values."""
+    rows = [f"| `{name}` | {getattr(settings, name)} | {what} | {beyond} |" for name, what, beyond in LIMITS]
+    rows += [f"| - | {MAX_CHOICES} | n and best_of | 422 |", f"| - | {MAX_PROMPTS} | prompts of a /v1/completions "
+             "request | 422 |"]
+    return "\n".join(["Limits (the settings of this server):", "", "| setting | value | bounds | beyond it |",
+                      "|---|---|---|---|", *rows])
+
+
 def openapi_schema(app: FastAPI) -> dict:
-    schema = get_openapi(title=app.title, version="1", routes=app.routes)
+    schema = get_openapi(title=app.title, version="1", routes=app.routes,
+                         description=limits_description(app.state.settings))
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     errors = {"tgi": _ref(TGIError, components), "openai": _ref(OpenAIError, components)}
     components.pop("HTTPValidationError", None)

@@ -3,11 +3,15 @@ be silently ignored); parameters the engine cannot honour are accepted only at t
 clients sending them explicitly (huggingface_hub sends several as null) keep working."""
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag
+from pydantic_core import core_schema
 
 from service.protocol import MAX_TOP_K
 
 U64 = 2 ** 64
+# A request's priority (scheduling_policy "priority"): lower values are served first, as in vLLM; 0 is the default and
+# the only value a server scheduling first come, first served accepts.
+Priority = Annotated[int, Field(ge=-(2 ** 63), lt=2 ** 63)]
 MAX_CHOICES = 128  # n and best_of (the engine also caps them at its batch size)
 
 
@@ -66,7 +70,7 @@ def _token_bias(value):
     """OpenAI's logit_bias: token ids as JSON object keys (strings) -> int keys."""
     if value is None:
         return value
-    if not all(isinstance(k, str) and k.isdigit() and int(k) < 2**31 for k in value):
+    if not all(isinstance(k, str) and k.isascii() and k.isdigit() and int(k) < 2**31 for k in value):
         raise ValueError("keys must be token ids (strings of digits)")
     return {int(k): v for k, v in value.items()}
 
@@ -104,6 +108,7 @@ class TGIParameters(_Body):
     truncate: int | None = Field(None, ge=1)
     ignore_eos: bool = False  # an extension (as vLLM's): generate max_new_tokens whatever the model says
     best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
+    priority: Priority = 0  # an extension (as vLLM's on its OpenAI routes)
     top_n_tokens: Annotated[int | None, _only(0)] = None
     typical_p: Annotated[float | None, _only(1.0)] = None
     frequency_penalty: Penalty = None
@@ -156,6 +161,7 @@ class OpenAIRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None
+    priority: Priority = 0
 
 
 class CompletionRequest(OpenAIRequest):
@@ -242,3 +248,119 @@ class TokenizeRequest(_Body):
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, lt=2**31)]]
+
+
+# -- OpenAI Responses API (stateless) -------------------------------------------------------------------------
+
+class _OrText:
+    """A field that also takes a text, which `wrap` turns into its value before validation: errors then name the
+    field, not a member of a union, and the JSON schema offers both."""
+
+    def __init__(self, wrap):
+        self.wrap = wrap
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.no_info_before_validator_function(
+            lambda value: self.wrap(value) if isinstance(value, str) else value, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema, handler):
+        return {"anyOf": [{"type": "string"}, handler(schema)]}
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"] | None
+
+
+class TextPart(_Body):
+    """Text in an input item; output_text is a previous response's message sent back."""
+    type: Literal["input_text", "output_text"]
+    text: str
+    annotations: list | None = None  # what a previous response's output_text holds: accepted, not used
+    logprobs: list | None = None
+
+
+TextParts = Annotated[list[TextPart], _OrText(lambda text: [{"type": "input_text", "text": text}])]
+
+
+class InputMessage(_Body):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: TextParts
+    id: str | None = None  # a previous response's message sent back: accepted, not used
+    status: ItemStatus = None
+
+
+class FunctionCallItem(_Body):
+    """A call a previous response made, sent back with its output."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str  # JSON text
+    id: str | None = None
+    status: ItemStatus = None
+
+
+class FunctionCallOutputItem(_Body):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: TextParts
+    id: str | None = None
+    status: ItemStatus = None
+
+
+def _item_type(value) -> str | None:
+    return value.get("type", "message") if isinstance(value, dict) else None  # an easy message has no type
+
+
+InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                      Discriminator(_item_type, custom_error_type="invalid_item",
+                                    custom_error_message="must be a message, function_call or function_call_output "
+                                                         "item")]
+
+
+class FunctionTool(_Body):
+    """The Responses API's function tool: a chat tool's function, flat."""
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object; None: no arguments
+    strict: bool | None = None
+
+
+class FunctionChoice(_Body):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(None, min_length=1, max_length=64)  # json_schema: required
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class TextConfig(_Body):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Body):
+    model: str
+    input: Annotated[list[InputItem], Field(min_length=1), _OrText(lambda text: [{"role": "user", "content": text}])]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    tools: list[FunctionTool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    parallel_tool_calls: bool | None = None  # None: true
+    text: TextConfig | None = None
+    stream: bool = False
+    user: str | None = None
+    # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512; echoed in the response
+    metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
+        None, max_length=16)
+    # Nothing is kept: only their neutral values are served (the route says why otherwise).
+    store: bool | None = None
+    background: bool | None = None
+    previous_response_id: str | None = None

@@ -16,6 +16,7 @@ from service.api.generation import (
     Generation,
     by_likelihood,
     check_grammar,
+    check_priority,
     check_sequences,
     check_stop,
     encode_prompt,
@@ -60,7 +61,7 @@ def sampling_params(p: TGIParameters, max_new_tokens: int) -> SamplingParams:
         top_k=p.top_k or 0, top_p=p.top_p or 1.0, repetition_penalty=p.repetition_penalty or 1.0,
         frequency_penalty=p.frequency_penalty or 0.0,
         seed=seed if sample else None, stop=p.stop or [], include_stop_str_in_output=True, logprobs=True,
-        ignore_eos=p.ignore_eos, grammar=grammar(p.grammar), n=p.best_of or 1)
+        ignore_eos=p.ignore_eos, grammar=grammar(p.grammar), n=p.best_of or 1, priority=p.priority)
 
 
 def _token(out: TokenOutput) -> dict:
@@ -75,6 +76,7 @@ async def _submit(request: Request, body: TGIRequest, endpoint: str) -> tuple[Ge
     client = engine(request)
     p, settings = body.parameters, request.app.state.settings
     check_stop(p.stop or [], settings.max_stop_sequences, "parameters.stop")
+    check_priority(settings, p.priority, "parameters.priority")
     check_sequences(settings, 1, p.best_of or 1, "parameters.best_of")
     prompt_ids = await encode_prompt(client, body.inputs, "inputs")
     if p.truncate is not None:

@@ -9,9 +9,15 @@ Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER so
 front-end it came from and every answer goes to that front-end alone.
 
 With data parallelism (`data_parallel_size` > 1) the launcher starts several cores, each on its own device(s) and
-address; `engine_index` labels a core's metrics. Core 0 alone runs the fine-tuning jobs and serves their adapters:
-the front-ends send it every call and every request that names an adapter.
+address; `engine_index` labels a core's metrics. Core 0 alone runs the fine-tuning jobs (the front-ends send it
+their calls); every core serves every LoRA adapter: the front-ends load and unload adapters on all of them
+(service.api.engine_client.EngineClient.call_all), and a finished job's adapter, which core 0 serves, reaches the
+others through one front-end (AdaptersChanged.published).
+
+With kv_events_endpoint set, each core publishes its prefix cache's changes after every step that made some, for a
+prefix-aware router (service.engine.kv_events).
 """
+import contextlib
 import logging
 import signal
 import socket
@@ -24,9 +30,10 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from service.config import Settings
-from service.engine.finetune_jobs import JobError, JobManager
+from service.engine.finetune_jobs import JobError, JobManager, finished_adapters
 from service.engine.grammar import CompileQueue, GrammarError
-from service.engine.llm_engine import LLMEngine, RequestRejected
+from service.engine.kv_events import KVEventPublisher
+from service.engine.llm_engine import AdapterError, AdapterNotServed, LLMEngine, RequestRejected
 from service.metrics import EngineMetrics
 from service.protocol import (
     Abort,
@@ -46,6 +53,7 @@ from service.protocol import (
 
 log = logging.getLogger(__name__)
 GPU_MEMORY_INTERVAL = 1.0  # seconds between refreshes of the GPU memory gauges while steps run
+LORA_INTERVAL = 1.0  # seconds between looks at the adapters of running and waiting requests while steps run
 
 
 class EngineBroken(RuntimeError):
@@ -56,20 +64,38 @@ class EngineCore:
     def __init__(self, settings: Settings, address: str, registry: CollectorRegistry | None = None,
                  engine_index: int = 0):
         self.settings = settings
-        self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_index)
         self.engine = LLMEngine(settings)
+        e = self.engine
+        self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_index, e.model_name, settings.block_size,
+                                     e.kv_capacity_tokens // settings.block_size)
+        self.frontends: set[bytes] = set()
+        for module in settings.lora_modules:  # every core serves them; one that cannot be served stops the start
+            name, path = module.split("=", 1)
+            try:
+                e.load_adapter(name, path)
+            except AdapterError as error:
+                raise RuntimeError(f"lora_modules: cannot serve {module!r}: {error}") from None
         # One trainer: the other cores share finetune_dir but leave it alone, lest each resume its queued jobs.
-        self.jobs = None if engine_index else JobManager(settings, self.engine.model, self.engine.model_name,
-                                                          self.metrics, on_adapters_changed=self._broadcast_adapters)
+        self.jobs = None if engine_index else JobManager(settings, e.model, e.model_name, self.metrics,
+                                                          serve_adapter=self._publish)
+        if engine_index:  # the adapters of core 0's finished jobs (core 0 logs those it cannot serve, and why)
+            for name, path in finished_adapters(settings.finetune_dir).items():
+                with contextlib.suppress(AdapterError):
+                    e.load_adapter(name, path)
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a step's outputs for a busy front-end
         self.socket.setsockopt(zmq.RCVHWM, 0)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.bind(address)
+        self.kv_events = None
+        if settings.kv_events_endpoint:  # before any request: the cache is empty
+            e.scheduler.block_manager.record_events()
+            self.kv_events = KVEventPublisher(self.context, settings.kv_events_endpoint, settings.kv_events_topic,
+                                              engine_index, settings.block_size,
+                                              "GPU" if e.device.type == "cuda" else "CPU", e.adapter_name)
         self._pack = encoder().encode
         self._unpack = core_decoder().decode
-        self.frontends: set[bytes] = set()
         self.owner: dict[str, bytes] = {}  # request id (each completion's, for n > 1) -> the front-end that sent it
         # stop() and finished grammar compiles (other threads) wake the poll through this pair.
         self._wake_r, self._wake_w = socket.socketpair()
@@ -77,13 +103,14 @@ class EngineCore:
         self.compiles = CompileQueue(self.engine.grammars, settings.grammar_compile_timeout, self._wake)
         self._stopping = False
         self._gpu_memory_at = 0.0
-        self.metrics.record_load(0, 0, 0.0)
+        self._loras_at = 0.0
+        self._record_load()
         self._record_gpu_memory()
 
     def info(self) -> EngineInfo:
         e = self.engine
         return EngineInfo(e.model_name, str(e.model_dir), e.max_model_len, e.model.config.vocab_size,
-                          e.kv_capacity_tokens, self.jobs.served_models() if self.jobs else [])
+                          e.kv_capacity_tokens, e.served_adapters())
 
     def _train_in(self) -> float | None:
         """Seconds until the next fine-tuning micro-batch is due (0: now); None when no job runs here."""
@@ -131,6 +158,8 @@ class EngineCore:
             if self.jobs is not None:
                 self.jobs.shutdown()
             self.socket.close()
+            if self.kv_events is not None:
+                self.kv_events.close()
             self.context.term()
             log.info("engine core stopped")
 
@@ -180,7 +209,7 @@ class EngineCore:
                 self._send(identity, self.info())
         for identity, answer in admitted.items():
             self._send(identity, answer)
-        self.metrics.record_load(self.engine.num_running, self.num_waiting, self.engine.kv_usage)
+        self._record_load()
 
     def _add(self, identity: bytes, request: AddRequest, answer: Admitted) -> None:
         rid = request.request_id
@@ -197,6 +226,9 @@ class EngineCore:
                 return  # admitted (or refused) once compiled
             self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
                                     group=request.group)
+        except AdapterNotServed as e:  # unloaded before this front-end heard of it
+            answer.rejected.append(Rejection(rid, "adapter", str(e)))
+            return
         except RequestRejected as e:
             answer.rejected.append(Rejection(rid, "invalid", str(e)))
             return
@@ -221,7 +253,10 @@ class EngineCore:
             try:
                 self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
                                         grammar=compiled, group=request.group)
-            except RequestRejected as e:  # its adapter went away meanwhile, say
+            except AdapterNotServed as e:  # unloaded while the grammar compiled
+                answer.rejected.append(Rejection(rid, "adapter", str(e)))
+                continue
+            except RequestRejected as e:
                 answer.rejected.append(Rejection(rid, "invalid", str(e)))
                 continue
             self._accept(identity, request, answer)
@@ -233,17 +268,24 @@ class EngineCore:
             e = self.engine
             return Reply(call.call_id, {"running": e.num_running, "waiting": self.num_waiting,
                                         "kv_usage": e.kv_usage, "requests": len(e.requests), "owned": len(self.owner)})
-        if call.method not in JobManager.CALLS or self.jobs is None:
+        if call.method in ("load_adapter", "unload_adapter"):
+            target = self.engine
+        elif call.method in JobManager.CALLS and self.jobs is not None:
+            target = self.jobs
+        else:
             return Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}", "param": None,
                                               "code": None})
         try:
-            return Reply(call.call_id, getattr(self.jobs, call.method)(**call.kwargs))
-        except JobError as e:
+            result = getattr(target, call.method)(**call.kwargs)
+        except (JobError, AdapterError) as e:
             return Reply(call.call_id, error=e.as_dict())
         except Exception as e:
             log.exception("call %s failed", call.method)
             return Reply(call.call_id, error={"status": 500, "message": f"{type(e).__name__}: {e}", "param": None,
                                               "code": "internal_error"})
+        if target is self.engine:
+            self._broadcast_adapters()
+        return Reply(call.call_id, result)
 
     def _step(self) -> None:
         outputs, stats = self.engine.step()
@@ -259,12 +301,26 @@ class EngineCore:
                 failed |= out.error is not None and out.error_code is None  # not the client's grammar
         for identity, outs in by_owner.items():
             self._send(identity, StepOutputs(outs))
+        if self.kv_events is not None:  # after the tokens: they are what clients wait for
+            self.kv_events.publish(self.engine.scheduler.block_manager.take_events())
         if stats is not None:
             self.metrics.record_step(stats)
-        self.metrics.record_load(self.engine.num_running, self.num_waiting, self.engine.kv_usage)
+        self.metrics.record_outputs(outputs)
+        self._record_load()
         self._record_gpu_memory()
         if failed and not self.engine.healthy():
             raise EngineBroken("the device failed; exiting so that a fresh engine core takes over")
+
+    def _record_load(self) -> None:
+        e = self.engine
+        self.metrics.record_load(e.num_running, self.num_waiting, e.kv_usage)
+        now = time.monotonic()
+        if e.has_work and now - self._loras_at < LORA_INTERVAL:
+            return  # a step pays for no scan of the queues; once idle, the (empty) sets are recorded at once
+        self._loras_at = now
+        s = e.scheduler
+        self.metrics.record_loras(adapters(s.running, e.adapter_name), adapters(s.waiting, e.adapter_name),
+                                  self.settings.max_loras)
 
     def _record_gpu_memory(self) -> None:
         now = time.monotonic()
@@ -275,6 +331,19 @@ class EngineCore:
         self.metrics.record_gpu_memory(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
                                        torch.cuda.mem_get_info(device)[1])
 
-    def _broadcast_adapters(self, names: list[str]) -> None:
+    def _broadcast_adapters(self, published: dict[str, str] | None = None) -> None:
+        """Tells every front-end the adapters served here; `published` (name: file, a finished fine-tuning job's)
+        to one of them alone, which has the other cores load them."""
+        names, leader = self.engine.served_adapters(), min(self.frontends, default=None)
         for identity in self.frontends:
-            self._send(identity, AdaptersChanged(names))
+            self._send(identity, AdaptersChanged(names, published if published and identity == leader else {}))
+
+    def _publish(self, name: str, path: str) -> None:
+        """Serves a finished fine-tuning job's adapter here and on the other cores (JobManager.serve_adapter)."""
+        self.engine.load_adapter(name, path)
+        self._broadcast_adapters({name: path})
+
+
+def adapters(seqs, name) -> list[str]:
+    """The adapters that these sequences use, each once, by the names they are served under (name(seq.adapter))."""
+    return sorted({name(seq.adapter) for seq in seqs if seq.adapter is not None})

@@ -11,7 +11,10 @@ The front-ends do the heavy lifting off the core's loop (upload parsing, tokeniz
 metadata, so every front-end sees one state. Jobs run one at a time on the engine's model and device, one
 micro-batch per call of train_step() from the core's loop, between engine steps: while requests are being served
 a job takes at most `finetune_duty_cycle` of the time (by default half: a pause as long as the micro-batch just
-done), and when the engine is idle it runs back to back. A finished job's adapter is served at once.
+done), and when the engine is idle it runs back to back. A finished job's adapter is served at once, loaded as
+POST /v1/load_lora_adapter loads one (LLMEngine.load_adapter), by every engine core: core 0 alone runs the jobs, and
+the other cores of data parallelism load the adapters of finished jobs at start (finished_adapters) and a new one
+when a front-end tells them (service.protocol.AdaptersChanged.published).
 
 An adapter serves only the base model it was trained on. Its file records that model's fingerprint (architecture,
 shapes, a hash of sampled weights: service.model.fingerprint), and a server started on a directory that holds the
@@ -33,10 +36,11 @@ from pathlib import Path
 
 import torch
 
+from service.engine.llm_engine import AdapterError
 from service.finetune.data import load_examples
 from service.finetune.trainer import StepResult, TrainConfig, Trainer, TrainingDiverged
-from service.model.fingerprint import describe, fingerprint
-from service.model.lora import TARGETS, Adapter, AdapterMismatch, LoRAConfig, add_adapter, saved_base
+from service.model.fingerprint import fingerprint
+from service.model.lora import TARGETS, LoRAConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,13 @@ def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)
+
+
+def finished_adapters(finetune_dir) -> dict[str, str]:
+    """{served name: adapter file} of the jobs that succeeded, oldest first, from their records."""
+    jobs = [json.loads(p.read_text()) for p in Path(finetune_dir, "jobs").glob("*/job.json")]
+    return {j["extra"]["served_name"]: str(Path(finetune_dir, "jobs", j["id"], "adapter.safetensors"))
+            for j in sorted(jobs, key=lambda j: j["created_at"]) if j["status"] == "succeeded"}
 
 
 def _page(items: list[dict], after: str | None, limit: int) -> dict:
@@ -90,10 +101,11 @@ class JobManager:
     CALLS = ("register_file", "list_files", "get_file", "delete_file", "create_job", "list_jobs", "get_job",
              "cancel_job", "list_events")
 
-    def __init__(self, settings, model, model_name: str, metrics=None,
-                 on_adapters_changed: Callable[[list[str]], None] = lambda names: None):
+    def __init__(self, settings, model, model_name: str, metrics=None, *, serve_adapter: Callable[[str, str], None]):
+        """serve_adapter(name, path): serves a finished job's adapter file as model `name`, as POST
+        /v1/load_lora_adapter does (LLMEngine.load_adapter: AdapterError if it cannot)."""
         self.settings, self.model, self.model_name, self.metrics = settings, model, model_name, metrics
-        self.on_adapters_changed = on_adapters_changed
+        self.serve_adapter = serve_adapter
         self.root = Path(settings.finetune_dir)
         self.files_dir, self.jobs_dir = self.root / "files", self.root / "jobs"
         self.files_dir.mkdir(parents=True, exist_ok=True)
@@ -107,8 +119,13 @@ class JobManager:
         for job in sorted(self.jobs.values(), key=lambda j: j["created_at"]):
             if job["status"] == "succeeded":
                 try:
-                    self._serve_adapter(job)
-                except AdapterMismatch as e:  # not a failure: the job did succeed, on another server's model
+                    self.serve_adapter(job["extra"]["served_name"], str(self._adapter_path(job)))
+                except AdapterError as e:
+                    if e.code not in ("adapter_mismatch", "adapter_exists"):
+                        log.error("cannot serve the adapter of %s: %s", job["id"], e)
+                        self._finish(job, "failed", error=("adapter_unavailable", f"the adapter cannot be loaded: {e}"))
+                        continue
+                    # not a failure: the job did succeed, on another server's model (or --lora-modules took its name)
                     log.warning("not serving the adapter of fine-tuning job %s (a fine-tune of %r; this server "
                                 "serves %r): %s", job["id"], job["model"], self.model_name, e)
                     self.unserved[job["id"]] = f"not served here: {e}"
@@ -120,10 +137,6 @@ class JobManager:
             elif job["status"] == "queued":
                 self.queue.append(job["id"])
         self._update_job_gauge()
-
-    def served_models(self) -> list[str]:
-        return [j["fine_tuned_model"] for j in self.jobs.values()
-                if j["status"] == "succeeded" and j["id"] not in self.unserved]
 
     # -- files (the front-end validated and wrote the data) ----------------------------------------------
     def register_file(self, meta: dict) -> dict:
@@ -374,14 +387,16 @@ class JobManager:
         if run.valid_file:
             loss = run.trainer.evaluate(load_examples(self.files_dir, run.valid_file))
             self._event(job, f"Validation loss={loss:.4f}", data={"step": run.trainer.step, "valid_loss": loss})
-        path = self.jobs_dir / job["id"] / "adapter.safetensors"
+        path = self._adapter_path(job)
         run.trainer.adapter.save(path, {"base_model": job["model"], "job": job["id"]}, base=self.base)
-        param = next(self.model.parameters())
-        add_adapter(self.model, job["extra"]["served_name"], run.trainer.adapter.to(param.device, param.dtype))
+        self._end_run()
+        try:
+            self.serve_adapter(job["extra"]["served_name"], str(path))
+        except AdapterError as e:  # its name was taken meanwhile (POST /v1/load_lora_adapter), say
+            self._finish(job, "failed", error=("adapter_unavailable", f"the adapter cannot be served: {e}"))
+            return
         job["fine_tuned_model"] = job["extra"]["served_name"]
         self._finish(job, "succeeded")
-        self._end_run()
-        self.on_adapters_changed(self.served_models())
 
     def _end_run(self) -> None:
         self.run = None
@@ -424,13 +439,5 @@ class JobManager:
             counts[job["status"]] += 1
         self.metrics.set_finetune_jobs(counts)
 
-    def _serve_adapter(self, job: dict) -> None:
-        """AdapterMismatch if the adapter was made for another base model."""
-        path = self.jobs_dir / job["id"] / "adapter.safetensors"
-        base = saved_base(path)
-        if base is not None and base != self.base:  # refused before its tensors take device memory
-            raise AdapterMismatch(f"its base model is {describe(base)}; this server's is {describe(self.base)}")
-        param = next(self.model.parameters())
-        # add_adapter checks the shapes: all an adapter saved before fingerprints (base None) can be checked by
-        add_adapter(self.model, job["extra"]["served_name"], Adapter.load(path, param.device, param.dtype))
-        job["fine_tuned_model"] = job["extra"]["served_name"]
+    def _adapter_path(self, job: dict) -> Path:
+        return self.jobs_dir / job["id"] / "adapter.safetensors"

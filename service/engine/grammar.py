@@ -80,9 +80,10 @@ class Grammars:
         matcher.fill_next_token_bitmask(masks, 0)
         if grammar.kind == "json":
             masks &= self._json_tokens
-        if not masks.any():  # its requests could only fail: refuse them up front
-            raise GrammarError("the grammar matches no output at all (a $ref that only refers to itself, say, or an "
-                               "empty character class)")
+        # Its requests could only fail (or, for JSON, end empty, which is no JSON value): refuse them up front.
+        if not self.allows_any(masks[0], self._stop_token_ids if grammar.kind == "json" else ()):
+            raise GrammarError("the grammar matches no output at all (a $ref that only refers to itself, say, an "
+                               "empty anyOf, or an empty character class)")
         return compiled
 
     def _start_compiler(self, xgr) -> None:

@@ -10,6 +10,7 @@ penalties, grammars) sample late: step N+1's forward pass is launched first, the
 grammars' masks filled while it runs, then N+1 samples.
 """
 import gc
+import itertools
 import logging
 import math
 import time
@@ -25,8 +26,11 @@ from service.engine.sampler import Sampled, Sampler, on_device
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import PENDING, Sequence, Status
 from service.engine.tp_workers import Workers
+from service.model import peft
 from service.model.config import ModelConfig
+from service.model.fingerprint import fingerprint
 from service.model.loader import eos_token_ids, load_model, resolve_dtype, resolve_model_dir
+from service.model.lora import AdapterMismatch, add_adapter, has_adapter, remove_adapter
 from service.model.parallel import SINGLE, TensorParallel, check_divisible
 from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids, choice_seed
 
@@ -42,6 +46,21 @@ class RequestRejected(ValueError):
 
 class EngineStepError(RuntimeError):
     """A step failed; the offline LLM raises it for the requests of that step (HTTP 500 when served)."""
+
+
+class AdapterNotServed(RequestRejected):
+    """The request names an adapter that is not served, or no longer (HTTP 404)."""
+
+
+class AdapterError(Exception):
+    """An adapter cannot be loaded or unloaded as asked: the HTTP status, message, the field at fault and a code."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "message": self.message, "param": self.param, "code": self.code}
 
 
 @dataclass
@@ -108,10 +127,21 @@ class LLMEngine:
         if hold is None:
             hold = 8 if self.device.type == "cuda" else 0
         self.scheduler = Scheduler(num_blocks, s.block_size, s.enable_prefix_caching, s.max_num_seqs,
-                                   s.max_num_batched_tokens, self.max_model_len, mixed, hold)
+                                   s.max_num_batched_tokens, self.max_model_len, mixed, hold, s.max_loras,
+                                   s.scheduling_policy)
         self.sampler = Sampler()
         self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids), s.grammar_cache_bytes)
         self.requests: dict[str, Sequence] = {}
+        # LoRA adapters (load_adapter): the registry key (model.lora_adapters) of each served name; the name and file
+        # of each key, least recently used first (max_cpu_loras); the sequences alive per key; the keys unloaded
+        # while sequences used them, removed when the last one ends; every key a load ever had.
+        self._adapter_keys: dict[str, str] = {}
+        self._sources: dict[str, tuple[str, str]] = {}
+        self._adapter_users: dict[str, int] = {}
+        self._retired: set[str] = set()
+        self._used_keys: set[str] = set()
+        self._versions = itertools.count(1)
+        self._fingerprint: dict | None = None
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
         # Weights' metadata, the tokenizer and compiled kernels live as long as the engine: freezing them keeps
@@ -147,6 +177,9 @@ class LLMEngine:
             raise RequestRejected("seed must be in [-2**63, 2**64)")
         if params.top_logprobs < 0 or params.top_logprobs > 20:
             raise RequestRejected("top_logprobs must be in 0..20")
+        if params.priority and self.settings.scheduling_policy != "priority":
+            raise RequestRejected(f"priority {params.priority}: the server does not schedule by priority "
+                                  "(scheduling_policy fcfs)")
         if not 1 <= params.n <= self.settings.max_num_seqs:
             raise RequestRejected(f"n must be in [1, {self.settings.max_num_seqs}] (the most sequences in a step)")
         total = len(prompt_token_ids) + params.max_new_tokens
@@ -156,10 +189,8 @@ class LLMEngine:
         if total > self.kv_capacity_tokens:
             raise RequestRejected(f"prompt + max_new_tokens ({total}) exceeds the KV cache "
                                   f"({self.kv_capacity_tokens} tokens)")
-        if adapter is not None:
-            from service.model.lora import has_adapter
-            if not has_adapter(self.model, adapter):
-                raise RequestRejected(f"unknown adapter {adapter!r}")
+        if adapter is not None and self._adapter_key(adapter) is None:
+            raise AdapterNotServed(f"unknown adapter {adapter!r}: not served (GET /v1/models lists those that are)")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     adapter: str | None = None, grammar=None, group: str = "") -> None:
@@ -175,17 +206,22 @@ class LLMEngine:
                 grammar = self.grammars.compile(params.grammar).result()
             except GrammarError as e:
                 raise RequestRejected(f"grammar: {e}") from None
+        key = None if adapter is None else self._adapter_key(adapter)  # the version served now, for its whole life
+        if key is not None:
+            self._touch(key)
         seqs = []
         for i, rid in enumerate(ids):
             generator = None
             if params.seed is not None and not params.greedy:
                 generator = torch.Generator(device=self.device).manual_seed(choice_seed(params.seed, i))
-            seq = Sequence(rid, list(prompt_token_ids), params, generator, adapter, group or request_id)
+            seq = Sequence(rid, list(prompt_token_ids), params, generator, key, group or request_id)
             if grammar is not None:
                 seq.matcher, seq.grammar = self.grammars.matcher(grammar), grammar
                 self.grammars.hold(grammar)
             self.requests[rid] = seq
             seqs.append(seq)
+        if key is not None:
+            self._adapter_users[key] = self._adapter_users.get(key, 0) + len(seqs)
         parent, *children = seqs
         for child in children:
             child.fork_of = parent
@@ -199,7 +235,121 @@ class LLMEngine:
         if seq.grammar is not None:
             self.grammars.release(seq.grammar)
         self.scheduler.free(seq)  # a token of it still in flight is dropped when that step completes
+        if seq.adapter is not None:
+            self._release_adapter(seq.adapter)
         return True
+
+    # -- LoRA adapters -----------------------------------------------------------------------------------
+    def load_adapter(self, name: str, path: str) -> None:
+        """Serves the adapter at path (a PEFT directory, or one of our .safetensors files) as model `name` from the
+        next step on. AdapterError if it cannot be, and then what is served stays as it was."""
+        if name == self.model_name:
+            raise AdapterError(400, f"{name!r} is the base model's name", "lora_name", "invalid_value")
+        if self._adapter_key(name) is not None:
+            raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name",
+                               "adapter_exists")
+        # Every load gets a key of its own: an unloaded version of the name may still run, and the prefix cache may
+        # hold blocks computed with it, salted with its key.
+        key = name
+        while key in self._used_keys:
+            key = f"{name} #{next(self._versions)}"
+        param = next(self.model.parameters())
+        try:
+            add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+        except peft.AdapterNotFound as e:
+            raise AdapterError(404, str(e), "lora_path", "adapter_not_found") from None
+        except AdapterMismatch as e:
+            made_for = peft.peft_base_model(path)
+            raise AdapterError(400, f"{path} was made for another base model" + (
+                f" ({made_for})" if made_for else "") + f": {e}", "lora_path", "adapter_mismatch") from None
+        except peft.AdapterFileError as e:
+            raise AdapterError(400, str(e), "lora_path", "invalid_adapter") from None
+        self._adapter_keys[name] = key
+        self._used_keys.add(key)
+        self._sources[key] = name, path
+        self._evict()
+        log.info("serving adapter %s from %s", name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """Stops serving adapter `name`: new requests for it are refused at once; those running or waiting keep it
+        to their end, and its weights go with the last of them."""
+        key = self._adapter_keys.pop(name, None)
+        if key is None:
+            raise AdapterError(404, f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
+        if key in self._adapter_users:
+            self._retired.add(key)
+        else:
+            remove_adapter(self.model, key)
+            del self._sources[key]
+        log.info("unloaded adapter %s", name)
+
+    def served_adapters(self) -> list[str]:
+        """The names of the adapters served through load_adapter, oldest first."""
+        return list(self._adapter_keys)
+
+    def adapter_name(self, key: str) -> str:
+        """The name a sequence's adapter (Sequence.adapter, a registry key) is, or was, served under."""
+        return self._sources[key][0] if key in self._sources else key
+
+    @property
+    def fingerprint(self) -> dict:
+        """The base model's (service.model.fingerprint), which our own adapter files must carry."""
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model)
+        return self._fingerprint
+
+    def _adapter_key(self, name: str) -> str | None:
+        """The registry key (model.lora_adapters) of the adapter served as `name`, None if none is. A request keeps
+        the key it was admitted with: one of an adapter unloaded and loaded again under its name runs on the version
+        it began with, and the prefix cache, salted with the key, never gives one load's KV to another."""
+        key = self._adapter_keys.get(name)
+        if key is None and has_adapter(self.model, name) and name not in self._retired \
+                and name not in self._adapter_keys.values():
+            key = name  # put in the registry directly (add_adapter: the offline LLM, tests)
+        return key
+
+    def _release_adapter(self, key: str) -> None:
+        users = self._adapter_users.pop(key) - 1
+        if users:
+            self._adapter_users[key] = users
+        elif key in self._retired:
+            self._retired.discard(key)
+            remove_adapter(self.model, key)
+            del self._sources[key]
+        else:
+            self._evict()
+
+    def _touch(self, key: str) -> None:
+        """Marks a loaded adapter the most recently used, loading it again (on this thread: its file's read holds
+        up the steps) if max_cpu_loras let it go; RequestRejected if it cannot be."""
+        source = self._sources.pop(key, None)
+        if source is None:  # put in the registry directly: always there
+            return
+        self._sources[key] = source
+        if has_adapter(self.model, key):
+            return
+        path = source[1]
+        param = next(self.model.parameters())
+        try:
+            add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+        except (peft.AdapterFileError, AdapterMismatch) as e:
+            raise RequestRejected(f"the adapter cannot be loaded again from {path}: {e}") from None
+        self._evict(keep=key)
+
+    def _evict(self, keep: str | None = None) -> None:
+        """Lets the least recently used adapters that no sequence uses (nor `keep`) go, while more than
+        max_cpu_loras are in memory; their files load them again when a request needs them."""
+        limit = self.settings.max_cpu_loras
+        if limit is None:
+            return
+        loaded = [key for key in self._sources if has_adapter(self.model, key)]
+        excess = len(loaded) - limit
+        for key in loaded:
+            if excess <= 0:
+                return
+            if key not in self._adapter_users and key != keep:
+                remove_adapter(self.model, key)
+                excess -= 1
 
     @property
     def has_work(self) -> bool:

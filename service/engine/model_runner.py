@@ -6,7 +6,9 @@ A small model's step is bound by the host launching ~1,000 kernels, not by the G
 eager, 3 ms of GPU time), so both kinds of step replay graphs: pure-decode steps one per batch size, and prefill
 or mixed steps one per (token count, sequence count) bucket, whose padding tokens write no cache slot and whose
 padding sequences are empty (the varlen kernel's programs for them return at once). Steps that serve LoRA adapters
-run eagerly: the adapters are forward hooks (service/model/lora.py).
+replay graphs of their own, captured with the LoRA path: the runner keeps up to `max_loras` adapters in device
+slots (service/model/lora.py LoRASlots), and a step's inputs say which rows use which slot (kernels/lora.py).
+Steps with dense adapters, or ranks past `max_lora_rank`, run eagerly through the adapters' forward hooks.
 
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels import lora as lora_kernels
 from kernels.decode import choose_num_splits
 from kernels.prefill import max_tiles, multi_row_tiles
 from kvcache import KVCache, num_blocks_for_bytes, num_blocks_for_gpu
@@ -59,7 +62,9 @@ class StepPlan:
     max_seqlen_k: int = 0
     decode: bool = False  # every sequence has one query row
     tiles: int = -1  # the prefill kernel's tiles beside single-row sequences (-1: it computes every row)
-    adapters: list[str | None] | None = None  # each token row's LoRA adapter
+    adapters: list[str | None] | None = None  # each token row's LoRA adapter, served eagerly through hooks
+    lora_loads: list[tuple[int, str]] = field(default_factory=list)  # (slot, adapter) to load before the step
+    lora: bool = False  # adapters served from slots: arrays[-1] are the LoRA tiles (kernels.lora.lora_tiles)
 
 
 class ModelRunner:
@@ -90,6 +95,11 @@ class ModelRunner:
         # Decode graphs' block tables: sequence -> (its table as last written, its row, entries written, last one)
         self._table_rows: dict = {}
         self._free_table_rows: list[int] = []
+        self.slots = None  # LoRASlots, when adapters are served from slots (set before the graphs are captured)
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # decode graphs with the LoRA path, by batch size
+        self.lora_graph_logits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.lora_prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.lora_prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -245,28 +255,55 @@ class ModelRunner:
         # more token beside the decodes) makes the step a mixed one.
         decode = len(input_ids) == len(batch.seqs) == len(sample_rows)
         adapters = any(seq.adapter for seq in batch.seqs)
+        seq_slots = self._assign_slots(plan, batch.seqs) if adapters else None
+        hooks = adapters and seq_slots is None  # adapters that only the eager forward's hooks can serve
+        graphs, prefill_graphs = ((self.lora_graphs, self.lora_prefill_graphs) if seq_slots is not None
+                                  else (self.graphs, self.prefill_graphs))
         if decode:
-            key = next((bs for bs in self.graphs if bs >= len(batch.seqs)), None)
+            key = next((bs for bs in graphs if bs >= len(batch.seqs)), None)
         else:
-            key = next((k for k in self.prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
-        if key is not None and not adapters and decode:
+            key = next((k for k in prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
+        plan.lora = seq_slots is not None
+        if key is not None and not hooks and decode:
             plan.kind, plan.key = DECODE_GRAPH, (key, 0)
             plan.arrays = self._decode_rows(key, batch, input_ids)
+            if plan.lora:
+                plan.arrays.append(lora_kernels.lora_tiles(seq_slots, self._lora_tiles(key)))
             return plan, sample_index
         sources = None
         if fill_rows:
             sources = np.full(len(input_ids), -1, dtype=np.int64)
             sources[fill_rows] = from_rows
-        if key is not None and not adapters:
+        row_slots = np.repeat(seq_slots, batch.num_tokens) if plan.lora else None
+        if key is not None and not hooks:
             plan.kind, plan.key = PREFILL_GRAPH, key
             plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, batch.block_tables,
                                           self.prefill_static["tokens"].shape[1], self.prefill_static["block_table"]
                                           .shape[0], sources, sample_rows, num_tiles=self._num_tiles))
+            if plan.lora:
+                plan.arrays.append(lora_kernels.lora_tiles(row_slots, self._lora_tiles(key[0])))
             return plan, sample_index
         self._plan_eager(plan, input_ids, seqlens_q, seqlens_k, batch.block_tables, sources, sample_rows)
-        if adapters:
+        if plan.lora:
+            plan.arrays += [lora_kernels.lora_tiles(row_slots, self._lora_tiles(len(input_ids))), row_slots]
+        elif hooks:
             plan.adapters = [seq.adapter for seq, n in zip(batch.seqs, batch.num_tokens) for _ in range(n)]
         return plan, sample_index
+
+    def _lora_tiles(self, rows: int) -> int:
+        """The LoRA kernels' tiles of a step (or graph) of `rows` token rows."""
+        return lora_kernels.max_tiles(rows, self.slots.count)
+
+    def _assign_slots(self, plan: StepPlan, seqs: list) -> np.ndarray | None:
+        """Each sequence's LoRA slot (-1: the base model), the loads that puts the step's adapters in slots going
+        into the plan; None when an adapter cannot live in a slot (dense, or a rank past max_lora_rank)."""
+        names = {seq.adapter for seq in seqs if seq.adapter}
+        registry = self.model.lora_adapters
+        if self.slots is None or len(names) > self.slots.count or not all(self.slots.fits(registry[n])
+                                                                           for n in names):
+            return None
+        slot_of, plan.lora_loads = self.slots.assign(names)
+        return np.asarray([slot_of[seq.adapter] if seq.adapter else -1 for seq in seqs], dtype=np.int32)
 
     def _adapter_changes(self) -> dict[str, str | None] | None:
         """The served LoRA adapters added (name: file) or removed (name: None) since the last step's plan, which
@@ -288,19 +325,29 @@ class ModelRunner:
         of them or None). Under tensor parallelism every rank runs it; rank 0's `pending` reaches the others."""
         if plan.adapters_changed:
             self._apply_adapter_changes(plan.adapters_changed)
+        for slot, name in plan.lora_loads:
+            self.slots.load(slot, name)
         self.kv_cache.copy_blocks(plan.copies)
         pending = self._share_pending(plan, pending)
         n = plan.num_samples
+        tiles = plan.arrays[-1] if plan.lora and plan.kind != EAGER else None
         if plan.kind == DECODE_GRAPH:
-            logits, tokens, logprobs = self._replay(plan.key[0], *plan.arrays, pending)
+            logits, tokens, logprobs = self._replay(plan.key[0], *plan.arrays[:2], pending, tiles)
             return logits[:n], (tokens[:n], logprobs[:n])
-        flat, packed, table = plan.arrays
+        flat, packed, table = plan.arrays[:3]
         if plan.kind == PREFILL_GRAPH:
             hidden, rows = self._replay_prefill(plan.key, plan.num_tokens, plan.num_seqs, flat, packed, table,
-                                                pending)
+                                                pending, tiles)
             return self.model.compute_logits(hidden[rows[:n]]), None
         ids, positions, meta, rows = self._eager_inputs(plan, flat, packed, table, pending)
-        if plan.adapters:  # LoRA on the rows of the sequences that asked for one, through hooks
+        if plan.lora:  # adapters from slots, each row's given by the tiles (CUDA) or its slot (the CPU)
+            from service.model.lora import serving_slots
+            tiles, row_slots = plan.arrays[3:5]
+            on_cuda = self.device.type == "cuda"
+            with serving_slots(self.slots, self._tensor(tiles, torch.int32) if on_cuda else None,
+                               None if on_cuda else torch.from_numpy(row_slots).long()):
+                hidden = self.model(ids, positions, meta)
+        elif plan.adapters:  # adapters slots cannot hold, on the rows of the sequences that asked for them
             from service.model.lora import serving_adapters
             with serving_adapters(self.model, plan.adapters, self.device):
                 hidden = self.model(ids, positions, meta)
@@ -327,12 +374,13 @@ class ModelRunner:
     def _apply_adapter_changes(self, changes: dict[str, str | None]) -> None:
         if self.tp.rank == 0:  # rank 0 served them already: its plan reports what it serves
             return
-        from service.model.lora import Adapter, add_adapter, remove_adapter
+        from service.model.lora import add_adapter, remove_adapter
+        from service.model.peft import load_adapter
         for name, path in changes.items():
             if path is None:
                 remove_adapter(self.model, name)
             else:
-                add_adapter(self.model, name, Adapter.load(path, self.device, self.dtype))
+                add_adapter(self.model, name, load_adapter(path, self.device, self.dtype))
 
     # -- start-up ----------------------------------------------------------------------------------------
     def _cache(self, num_blocks: int) -> KVCache:
@@ -404,7 +452,14 @@ class ModelRunner:
         self._capture_decode_graphs()
         self._capture_prefill_graphs()
 
-    def _capture(self, forward, warm_up: bool = True) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, forward, warm_up: bool = True, lora_rows: int = 0
+                 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """A graph of forward(); with lora_rows, of forward() serving the adapters in slots, for steps of that many
+        token rows (its LoRA kernels read the first _lora_tiles(lora_rows) tiles of the static tiles buffer)."""
+        if lora_rows:
+            from service.model.lora import serving_slots
+            tiles = self.lora_static[:self._lora_tiles(lora_rows)]
+            return self._capture(lambda: _within(serving_slots(self.slots, tiles, None), forward), warm_up)
         with torch.inference_mode():
             if warm_up:
                 forward()
@@ -427,11 +482,20 @@ class ModelRunner:
         tables = torch.zeros(max_bs, -(-self.max_blocks_per_seq // 16) * 16, dtype=torch.int32, device=dev)
         self.static = {"rows": rows, "pending": torch.zeros(max_bs, dtype=torch.long, device=dev), "tables": tables}
         self._free_table_rows = list(range(max_bs))
+        if self.slots is not None:  # empty tiles (-1) until a step writes its own
+            max_t = max(max_bs, max(self._prefill_graph_keys(), default=(0, 0))[0])
+            self.lora_static = torch.full((self._lora_tiles(max_t), 1 + lora_kernels.BLOCK_M), -1, dtype=torch.int32,
+                                          device=dev)
         for bs in reversed(sizes):
             self.graphs[bs], self.graph_logits[bs] = self._capture(self._decode_forward(bs))
+            if self.slots is not None:
+                self.lora_graphs[bs], self.lora_graph_logits[bs] = self._capture(self._decode_forward(bs),
+                                                                                  lora_rows=bs)
         rows[:, 4] = 0
         self.graphs = dict(sorted(self.graphs.items()))
-        log.info("captured decode CUDA graphs for batch sizes %s", sorted(self.graphs))
+        self.lora_graphs = dict(sorted(self.lora_graphs.items()))
+        log.info("captured decode CUDA graphs for batch sizes %s%s", sorted(self.graphs),
+                 " (and their LoRA variants)" if self.lora_graphs else "")
 
     def _prefill_graph_keys(self) -> list[tuple[int, int]]:
         return [(t, b) for t in PREFILL_GRAPH_TOKENS if t <= self.max_prefill_graph_tokens
@@ -454,9 +518,14 @@ class ModelRunner:
         }
         for t, b in sorted(keys, reverse=True):
             # One warm-up per token count: the sequence count changes only the attention kernel's grid.
+            warm_up = (t, b) == max(k for k in keys if k[0] == t)
             self.prefill_graphs[(t, b)], self.prefill_hidden[(t, b)] = self._capture(
-                self._prefill_forward((t, b)), warm_up=(t, b) == max(k for k in keys if k[0] == t))
+                self._prefill_forward((t, b)), warm_up=warm_up)
+            if self.slots is not None:
+                self.lora_prefill_graphs[(t, b)], self.lora_prefill_hidden[(t, b)] = self._capture(
+                    self._prefill_forward((t, b)), warm_up=warm_up, lora_rows=t)
         self.prefill_graphs = dict(sorted(self.prefill_graphs.items()))
+        self.lora_prefill_graphs = dict(sorted(self.lora_prefill_graphs.items()))
         log.info("captured prefill CUDA graphs for (tokens, sequences) %s", list(self.prefill_graphs))
 
     def _decode_forward(self, bs: int):
@@ -498,14 +567,20 @@ class ModelRunner:
         return [rows, updates]
 
     @torch.inference_mode()
-    def _replay(self, bs: int, rows: np.ndarray, updates: np.ndarray, pending: torch.Tensor | None) -> tuple:
+    def _replay(self, bs: int, rows: np.ndarray, updates: np.ndarray, pending: torch.Tensor | None,
+                tiles: np.ndarray | None = None) -> tuple:
         """Replays the decode graph of batch size bs on its inputs (_decode_rows), written into the graphs' static
-        buffers by stream-ordered copies (the step in flight has read them by then); returns its outputs."""
+        buffers by stream-ordered copies (the step in flight has read them by then); returns its outputs. With
+        tiles (its adapters' rows, kernels.lora.lora_tiles): the graph with the LoRA path."""
         s = self.static
         self._update_tables(updates)
         self._copy_in(s["rows"][:bs], rows)
         if pending is not None:
             s["pending"][:len(pending)] = pending
+        if tiles is not None:
+            self._copy_in(self.lora_static[:len(tiles)], tiles)
+            self.lora_graphs[bs].replay()
+            return self.lora_graph_logits[bs]
         self.graphs[bs].replay()
         return self.graph_logits[bs]
 
@@ -543,7 +618,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _replay_prefill(self, key: tuple[int, int], n: int, batch: int, flat: np.ndarray, lens: np.ndarray,
-                        table: np.ndarray, pending: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                        table: np.ndarray, pending: torch.Tensor | None,
+                        tiles: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies a prefill or mixed step's inputs (_pack's arrays at the graphs' size) into the static buffers of
         the prefill graph of (tokens, sequences) `key` (padding: tokens without a slot, sequences without tokens),
         in three stream-ordered copies, and replays it. Returns its hidden states of all `key[0]` rows (the step's
@@ -555,6 +631,10 @@ class ModelRunner:
         self._copy_in(s["block_table"][:batch, :table.shape[1]], table)
         if pending is not None:
             tokens[0, :n] = _take_pending(tokens[0, :n], tokens[1, :n], pending)
+        if tiles is not None:
+            self._copy_in(self.lora_static[:len(tiles)], tiles)
+            self.lora_prefill_graphs[key].replay()
+            return self.lora_prefill_hidden[key], tokens[4]
         self.prefill_graphs[key].replay()
         return self.prefill_hidden[key], tokens[4]
 
@@ -564,6 +644,9 @@ def start_runner(model, s: Settings, max_model_len: int) -> ModelRunner:
     as fit this rank's memory, the fewest of any rank), its kernels tuned and its CUDA graphs captured."""
     runner = ModelRunner(model, s.block_size, max_model_len, s.max_num_seqs, s.max_num_batched_tokens,
                          s.cuda_graph_max_prefill_tokens)
+    if s.max_loras:  # before the KV cache is sized from the memory left, and before the graphs are captured
+        from service.model.lora import LoRASlots
+        runner.slots = LoRASlots(model, s.max_loras, s.max_lora_rank)
     cfg, device, tp = model.config, runner.device, runner.tp
     shape = (cfg.num_hidden_layers, s.block_size, runner.num_kv_heads, cfg.head_dim, runner.dtype)
     tuning_dir = Path(s.compile_cache_dir).expanduser()
@@ -586,6 +669,11 @@ def start_runner(model, s: Settings, max_model_len: int) -> ModelRunner:
         tuning.save(tuning_dir)
     log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, s.block_size, kv_cache.nbytes / 2**20)
     return runner
+
+
+def _within(context, forward):
+    with context:
+        return forward()
 
 
 def _section(num_seqs: int) -> int:

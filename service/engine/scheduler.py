@@ -10,17 +10,27 @@ running sequence needs a block and none is free, the newest running sequences ar
 are freed and they go back to the front of the queue, to be recomputed later (prefix caching usually finds
 their blocks again).
 
+LoRA adapters: at most max_loras distinct adapters run at once (the runner's slots); an adapter that must wait
+for a slot holds back later requests for other adapters until it gets one (_AdapterSlots), never the base model's.
+
 Fairness: when the sequences that want to run outnumber a step's places (max_num_seqs), each group (one HTTP
 request with all its prompts and completions, or every request of one OpenAI `user`) is entitled to an equal share
 of them. Groups under their share that wait are admitted first, taking places from the newest sequences of groups
 over their share (preempted), and a request's completions beyond its share run later on their own (from the
 prefix cache). Nobody waits for a request of hundreds of sequences to finish.
 
+Priority (policy "priority"; "fcfs" serves every request at priority 0): a lower `priority` value is served first.
+The waiting queue is kept in (priority, arrival) order and the running list in (priority, admission) order, so a
+sequence is admitted before any of a lower priority, scheduled before them, and preempted after them when blocks run
+out (the lowest-priority, newest first). Fairness works within a priority level: a level's groups under their share
+are admitted before its other sequences, and take places only from over-share sequences of their priority or lower.
+
 With overlapped scheduling, step N+1 is scheduled while step N runs: a sequence sampled in step N already holds
 that token (still PENDING on the GPU), so it decodes again in N+1, unless that token is its last (length limit).
 Freeing blocks while a step that uses them is in flight is safe: any later use is by a later step, which the GPU
 runs after it.
 """
+import bisect
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -60,8 +70,10 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, max_mixed_tokens: int | None = None,
-                 hold_steps: int = 0):
+                 hold_steps: int = 0, max_loras: int = 0, policy: str = "fcfs"):
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.by_priority = policy == "priority"
+        self.max_loras = max_loras  # distinct LoRA adapters among the running sequences (0: any number)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # Most tokens of a step that carries decodes (so that it replays a CUDA graph): prompts get what is left.
@@ -69,8 +81,8 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.hold_steps = hold_steps
         self.steps = 0  # schedule() calls: the clock of held admissions
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # oldest admission first
+        self.waiting: deque[Sequence] = deque()  # arrival order (preempted ones first); or by priority (_queue)
+        self.running: list[Sequence] = []  # oldest admission first; or by priority (_run)
 
     @property
     def has_work(self) -> bool:
@@ -82,7 +94,26 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.steps
-        self.waiting.append(seq)
+        self._queue(seq)
+
+    def _queue(self, seq: Sequence, front: bool = False) -> None:
+        """Puts seq in the waiting queue: at its end, or its front (preempted, or a completion going on alone); by
+        priority, in (priority, arrival) order, before the equal ones when `front`."""
+        if self.by_priority:
+            place = bisect.bisect_left if front else bisect.bisect_right
+            self.waiting.insert(place(self.waiting, _waiting_key(seq), key=_waiting_key), seq)
+        elif front:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
+
+    def _run(self, seq: Sequence) -> None:
+        """Adds seq to the running list: last, or by priority after those of its priority (the last running one is
+        always the first to preempt)."""
+        if self.by_priority:
+            bisect.insort_right(self.running, seq, key=_priority)
+        else:
+            self.running.append(seq)
 
     def _hold(self, room: int) -> bool:
         """Whether new requests wait for company: the oldest arrived less than hold_steps steps ago, and the
@@ -109,7 +140,7 @@ class Scheduler:
             self.waiting.remove(seq)
         for child in seq.forks:
             child.fork_of = None
-            self.waiting.appendleft(child)
+            self._queue(child, front=True)
         seq.forks = []
         seq.status = Status.FINISHED
 
@@ -117,7 +148,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
-        self.waiting.appendleft(seq)
+        self._queue(seq, front=True)
 
     def _fair_share(self, batch: ScheduledBatch) -> tuple[Counter, int] | None:
         """(places each group holds, the share of each) when the sequences that want to run outnumber a step's
@@ -130,10 +161,20 @@ class Scheduler:
             return None
         seats = Counter(seq.group for seq in self.running)
         share = max(1, self.max_num_seqs // len(seats.keys() | wanted.keys()))
-        need = sum(min(share - seats[g], n) for g, n in wanted.items() if seats[g] < share)
-        need -= self.max_num_seqs - len(self.running)
-        for seq in reversed(self.running[:]):  # newest first
-            if need <= 0:
+        # The places that waiting groups under their share want, each at its sequence's priority, best first. The
+        # free places go to the first ones; each of the others may take the place of an over-share sequence of its
+        # priority or lower (with fcfs every priority is 0). `need` also counts places taken beyond max_num_seqs.
+        room, wants = Counter({g: share - seats[g] for g in wanted}), []
+        for seq in self.waiting:
+            places = min(room[seq.group], 1 + len(seq.forks))
+            if places > 0:
+                wants += [_priority(seq)] * places
+                room[seq.group] -= places
+        wants.sort()
+        need = len(wants) - (self.max_num_seqs - len(self.running))
+        for seq in reversed(self.running[:]):  # newest (by priority: lowest, newest) first
+            # wants[len(wants) - need]: the best want that the free places leave unserved
+            if need <= 0 or wants and wants[max(0, len(wants) - need)] > _priority(seq):
                 break
             if seats[seq.group] > share:
                 self._preempt(seq)
@@ -142,11 +183,21 @@ class Scheduler:
                 batch.num_preemptions += 1
         return seats, share
 
+    def _running_adapters(self) -> "_AdapterSlots | None":
+        """The adapters of the running sequences, when a waiting one asks for an adapter and their number is
+        bounded (max_loras); None otherwise."""
+        if not self.max_loras or not any(seq.adapter for seq in self.waiting):
+            return None
+        return _AdapterSlots({seq.adapter for seq in self.running if seq.adapter}, self.max_loras)
+
     def _fair_order(self, seats: Counter, share: int):
         """The waiting sequences, those of groups under their share first (judged as they come: `seats` grows as
-        they are admitted)."""
+        they are admitted), one priority level after the other (the queue is in priority order)."""
         later = []
         for seq in list(self.waiting):
+            if later and _priority(seq) != _priority(later[0]):  # a lower level: the level above goes first
+                yield from later
+                later = []
             if seats[seq.group] < share:
                 yield seq
             else:
@@ -159,7 +210,7 @@ class Scheduler:
         places = share - seats[seq.group] if seats[seq.group] < share else self.max_num_seqs - len(self.running)
         for child in seq.forks[max(0, places - 1):]:
             child.fork_of = None
-            self.waiting.append(child)
+            self._queue(child)
         del seq.forks[max(0, places - 1):]
 
     def schedule(self) -> ScheduledBatch:
@@ -191,7 +242,7 @@ class Scheduler:
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
             if length > sizes[seq.request_id]:
                 copies = bm.append(seq.request_id, seq.cache_keys)
-                while copies is None:  # out of blocks: preempt the newest sequences, this one last
+                while copies is None:  # out of blocks: preempt the newest (lowest-priority) sequences, this one last
                     victim = self.running[-1]
                     self._preempt(victim)
                     batch.num_preemptions += 1
@@ -212,28 +263,32 @@ class Scheduler:
             batch.add(seq, n, tables[seq.request_id])
             budget -= n
         admit = not (decodes and self.waiting and self.hold_steps and self._hold(prompt_room()))
-        order = self._fair_order(*fair) if fair else None
+        order = self._fair_order(*fair) if fair else iter(list(self.waiting) if admit else ())
+        adapters = self._running_adapters()
         # A step that preempted for lack of blocks admits nobody; one that made room for fairness does.
         while (admit and self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
                and len(self.running) < self.max_num_seqs and batch.num_preemptions == made_room):
-            seq = self.waiting[0] if order is None else next(order, None)
+            seq = next(order, None)
             if seq is None:
                 break
+            if adapters is not None and seq.adapter is not None and not adapters.admits(seq.adapter):
+                continue
             if fair:
                 self._trim_forks(seq, *fair)
             if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):
                 break
-            if order is None:
+            if seq is self.waiting[0]:
                 self.waiting.popleft()
             else:
                 self.waiting.remove(seq)
+            if fair:
                 fair[0][seq.group] += 1 + len(seq.forks)
             cached = bm.allocate(seq.request_id, seq.cache_keys)
             if seq.queue_seconds is None:  # first admission (a preempted sequence comes back here later)
                 seq.num_cached_prompt_tokens = cached
                 seq.queue_seconds = time.perf_counter() - seq.arrival
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
-            self.running.append(seq)
+            self._run(seq)
             n = min(seq.num_uncomputed_tokens, prompt_room())
             batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
@@ -254,6 +309,31 @@ class Scheduler:
             child.fork_of, child.status = None, Status.RUNNING
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_prompt_tokens, child.queue_seconds = parent.num_cached_prompt_tokens, parent.queue_seconds
-            self.running.append(child)
+            self._run(child)
             batch.forks.append((child, parent))
         parent.forks = []
+
+
+def _priority(seq: Sequence) -> int:
+    return seq.params.priority
+
+
+def _waiting_key(seq: Sequence) -> tuple[int, float]:
+    return seq.params.priority, seq.arrival
+
+
+class _AdapterSlots:
+    """One step's admission of sequences that ask for LoRA adapters: at most `limit` distinct adapters run at once.
+    Once an adapter must wait for another to leave, later requests for adapters wait too, those already running
+    included, so that running adapters' sequences drain and the waiting one gets its turn; requests for the base
+    model are never held back."""
+
+    def __init__(self, running: set[str], limit: int):
+        self.running, self.limit, self.waiting = running, limit, False
+
+    def admits(self, adapter: str) -> bool:
+        if self.waiting or (adapter not in self.running and len(self.running) >= self.limit):
+            self.waiting = True
+            return False
+        self.running.add(adapter)
+        return True

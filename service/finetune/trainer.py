@@ -2,9 +2,9 @@
 
 Each micro-batch is packed into one flat sequence with cu_seqlens, so the model's training forward runs our
 Triton varlen attention (forward + backward kernels) on CUDA, and the PyTorch reference on CPU. The loss is the
-mean cross-entropy over the target tokens of the whole optimizer step (completion tokens only). The trained
-weights are float32 (the master copy) and cast to the model's dtype (bf16 on GPU) in the forward; AdamW steps
-them after `grad_accum` micro-batches.
+mean cross-entropy over the target tokens of the whole optimizer step (completion tokens only), computed over the
+vocabulary in chunks (service.finetune.loss). The trained weights are float32 (the master copy) and cast to the
+model's dtype (bf16 on GPU) in the forward; AdamW steps them after `grad_accum` micro-batches.
 """
 import math
 import random
@@ -12,12 +12,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from service.finetune.data import Example
+from service.finetune.loss import IGNORE, linear_cross_entropy
 from service.model.lora import Adapter, LoRAConfig, activate, install
-
-IGNORE = -100
 
 
 class TrainingDiverged(RuntimeError):
@@ -46,23 +44,26 @@ class StepResult:
     seconds: float
 
 
-def pack(examples: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """input_ids [tokens], labels [tokens] (next token where it is a target, else IGNORE), cu_seqlens, max_len."""
-    ids, labels, lens = [], [], []
+def pack(examples: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """input_ids [tokens], labels [tokens] (next token where it is a target, else IGNORE), positions [tokens]
+    (from 0 in every sequence), cu_seqlens, max_len, and the number of targets: all built on the host, so that
+    nothing waits on the device to count or place them."""
+    ids, labels, positions, lens = [], [], [], []
     for ex in examples:
         ids += ex.token_ids
         labels += [t if m else IGNORE for t, m in zip(ex.token_ids[1:], ex.loss_mask[1:])] + [IGNORE]
+        positions += range(len(ex.token_ids))
         lens.append(len(ex.token_ids))
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    return (torch.tensor(ids, device=device), torch.tensor(labels, device=device), cu.to(device), max(lens))
+    input_ids, labels_t, positions_t = torch.tensor([ids, labels, positions]).to(device)  # one copy
+    return input_ids, labels_t, positions_t, cu.to(device), max(lens), len(labels) - labels.count(IGNORE)
 
 
 def loss_sum(model, examples: list[Example], device) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the target tokens of the examples (fp32), and how many there were."""
-    input_ids, labels, cu, max_len = pack(examples, device)
-    logits = model.forward_train(input_ids, cu_seqlens=cu, max_seqlen=max_len)
-    loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum")
-    return loss, int((labels != IGNORE).sum())
+    input_ids, labels, positions, cu, max_len, targets = pack(examples, device)
+    hidden = model.model(input_ids, positions, None, cu, max_len)  # forward_train without the LM head
+    return linear_cross_entropy(hidden, model.lm_head.weight, labels), targets
 
 
 class Trainer:
@@ -77,8 +78,9 @@ class Trainer:
             p.requires_grad_(False)
         install(model)
         self.adapter = Adapter.init(model, lora, seed=config.seed)
+        # fused on CUDA: the update of every tensor in one kernel, not a loop of multi-tensor ones
         self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=config.learning_rate,
-                                           weight_decay=config.weight_decay)
+                                           weight_decay=config.weight_decay, fused=self.device.type == "cuda")
         steps_per_epoch = math.ceil(len(examples) / config.batch_size)
         self.total_steps = steps_per_epoch * config.n_epochs
         if config.max_steps is not None:
@@ -117,10 +119,11 @@ class Trainer:
                 micro = batch[i:i + self.config.micro_batch_size]
                 with torch.enable_grad(), activate([(self.adapter, None)]):
                     loss, _ = loss_sum(self.model, micro, self.device)
-                    if not torch.isfinite(loss):
-                        raise TrainingDiverged(f"the training loss became {loss.item()} at step {self.step + 1}")
                     (loss / targets).backward()
-                total_loss += loss.item()
+                value = loss.item()  # the one wait of a micro-batch, for its backward too: the duty cycle times it
+                if not math.isfinite(value):
+                    raise TrainingDiverged(f"the training loss became {value} at step {self.step + 1}")
+                total_loss += value
                 tokens += sum(len(ex.token_ids) for ex in micro)
                 yield None
             norm = torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), self.config.max_grad_norm)

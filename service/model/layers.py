@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.model.lora import add_slot_updates
 from service.model.parallel import SINGLE, TensorParallel, all_reduce
 
 
@@ -107,9 +108,12 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
+        add_slot_updates(x, (self.gate_proj, gate), (self.up_proj, up))
         if _use_kernels(gate):
             from kernels.elementwise import silu_mul
             hidden = silu_mul(gate, up)
         else:
             hidden = silu_mul_ref(gate, up)
-        return all_reduce(self.down_proj(hidden), self.tp)
+        down = self.down_proj(hidden)
+        add_slot_updates(hidden, (self.down_proj, down))  # before the all-reduce: this rank's share of the sum
+        return all_reduce(down, self.tp)

@@ -12,6 +12,7 @@ from torch import nn
 from service.model.attention import AttentionMetadata, dense_attention, paged_attention, varlen_attention
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding
+from service.model.lora import add_slot_updates
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
 
@@ -36,9 +37,11 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0):
         shape = x.shape[:-1]
-        q = self.q_proj(x).view(*shape, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*shape, self.num_kv_heads, self.head_dim)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        add_slot_updates(x, (self.q_proj, q), (self.k_proj, k), (self.v_proj, v))
+        q = q.view(*shape, self.num_heads, self.head_dim)
+        k = k.view(*shape, self.num_kv_heads, self.head_dim)
+        v = v.view(*shape, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -48,7 +51,10 @@ class Attention(nn.Module):
             out = varlen_attention(q, k, v, cu_seqlens, max_seqlen, self.scale)
         else:
             out = dense_attention(q, k, v, self.scale)
-        return all_reduce(self.o_proj(out.reshape(*shape, -1)), self.tp)
+        out = out.reshape(*shape, -1)
+        projected = self.o_proj(out)
+        add_slot_updates(out, (self.o_proj, projected))  # before the all-reduce: this rank's share of the sum
+        return all_reduce(projected, self.tp)
 
 
 class DecoderLayer(nn.Module):

@@ -2,14 +2,18 @@
 
 An adapter adds to a projection's output y = W x either a low-rank update (alpha / rank) * B A x (LoRA), or a
 dense update D x (full fine-tuning of the projection, D = W_tuned - W). The update is attached with a forward
-hook on each targeted nn.Linear: the module tree, checkpoint names and the captured decode CUDA graphs of the
-base model stay untouched, and the base weights are shared by every adapter.
+hook on each targeted nn.Linear: the module tree and checkpoint names stay untouched, and the base weights are
+shared by every adapter.
 
 Which adapter applies to which rows is per thread (threading.local), so a training step in one worker thread
 and an engine step in another can run through the same modules at once:
 - training: `with activate([(adapter, None)])`, the adapter applies to every row;
-- serving: `with serving_adapters(model, names)` with one adapter name (or None = base) per flat token row;
-  each distinct adapter of the batch adds its update to its own rows (a loop over the few adapters present).
+- serving from slots (LoRA adapters up to the slots' rank): LoRASlots holds `max_loras` adapters on the device in
+  a buffer allocated once; `with serving_slots(slots, tiles, row_slots)` the decoder adds (add_slot_updates), one
+  kernel per input of projections (kernels/lora.py), the update of each row's slot. The buffer never moves, so
+  CUDA graphs capture this path and replay it for any mix of adapters;
+- serving eagerly (dense adapters, ranks past the slots'): `with serving_adapters(model, names)` with one adapter
+  name (or None = base) per flat token row; each distinct adapter adds its update to its own rows.
 """
 import contextlib
 import json
@@ -250,3 +254,116 @@ def serving_adapters(model: nn.Module, token_adapters: list[str | None], device)
         if name is not None:
             rows.setdefault(name, []).append(i)
     return activate([(registry[name], torch.tensor(r, device=device)) for name, r in rows.items()])
+
+
+class LoRASlots:
+    """`count` slots on the device, each holding one LoRA adapter of rank up to `max_rank` (padded to
+    kernels.lora.slot_rank), allocated once: one buffer [count, per-slot size] in which every targeted projection
+    has its A [count, R, in] and B [count, out, R] views, and scales [count]. An adapter is packed into one flat
+    tensor in that layout once (zeros where it targets nothing), and loading it into a slot is one copy.
+
+    The runner assigns slots (`assign`, on the host: which adapter goes where) and loads them (`load`, on every
+    tensor-parallel rank, each from its own slices); copies are stream-ordered, so a slot is never rewritten under
+    a step still reading it."""
+
+    def __init__(self, model: nn.Module, count: int, max_rank: int):
+        from kernels.lora import slot_rank
+
+        install(model)
+        self.model, self.count, self.max_rank, self.rank = model, count, max_rank, slot_rank(max_rank)
+        weight = next(model.parameters())
+        self.layout: dict[str, tuple[int, int, int]] = {}  # projection -> (offset of A, in, out)
+        size = 0
+        for name, linear in target_linears(model).items():
+            self.layout[name] = (size, linear.in_features, linear.out_features)
+            size += self.rank * (linear.in_features + linear.out_features)
+        self.storage = torch.zeros(count, size, device=weight.device, dtype=weight.dtype)
+        self.scales = torch.zeros(count, device=weight.device, dtype=torch.float32)
+        self.held: list[Adapter | None] = [None] * count  # the adapter each slot holds
+        self._last_used = [0] * count
+        self._clock = 0
+        self._packed: dict[int, tuple[Adapter, torch.Tensor]] = {}  # id(adapter) -> (it, its packed weights)
+
+    def fits(self, adapter: Adapter) -> bool:
+        """Whether the adapter can live in a slot (a dense one, or a rank past max_rank, is served eagerly)."""
+        return not adapter.config.full and adapter.config.rank <= self.max_rank
+
+    def assign(self, names: set[str]) -> tuple[dict[str, int], list[tuple[int, str]]]:
+        """Slots for a step's adapters (at most `count`, each fits): {name: slot}, and the (slot, name) loads that
+        puts adapters not in a slot yet into the least recently used slots this step does not need."""
+        registry = self.model.lora_adapters
+        slot_of = {}
+        for slot, held in enumerate(self.held):
+            for name in names:
+                if held is not None and registry[name] is held:  # the same object: a reloaded name is reloaded
+                    slot_of[name] = slot
+        self._clock += 1
+        loads = []
+        free = sorted((s for s in range(self.count) if s not in slot_of.values()), key=lambda s: self._last_used[s])
+        for name in sorted(names - slot_of.keys()):
+            slot = free.pop(0)
+            slot_of[name] = slot
+            self.held[slot] = registry[name]
+            loads.append((slot, name))
+        for slot in slot_of.values():
+            self._last_used[slot] = self._clock
+        return slot_of, loads
+
+    def load(self, slot: int, name: str) -> None:
+        """Copies a served adapter into a slot (this rank's slices of it, under tensor parallelism)."""
+        adapter = self.model.lora_adapters[name]
+        self.held[slot] = adapter
+        self.storage[slot].copy_(self._pack(adapter), non_blocking=True)
+        self.scales[slot].fill_(adapter.scale)
+
+    def _pack(self, adapter: Adapter) -> torch.Tensor:
+        entry = self._packed.get(id(adapter))
+        if entry is None or entry[0] is not adapter:
+            served = {id(a) for a in self.model.lora_adapters.values()}
+            self._packed = {k: v for k, v in self._packed.items() if k in served}  # adapters since removed
+            flat = torch.zeros(self.storage.shape[1], dtype=self.storage.dtype)
+            for name, (a_at, n_in, n_out) in self.layout.items():
+                if name in adapter.weights:
+                    lora_a, lora_b = (t.detach().to("cpu", self.storage.dtype) for t in adapter.weights[name])
+                    r, b_at = lora_a.shape[0], a_at + self.rank * n_in
+                    flat[a_at:b_at].view(self.rank, n_in)[:r] = lora_a
+                    flat[b_at:b_at + self.rank * n_out].view(n_out, self.rank)[:, :r] = lora_b
+            if self.storage.is_cuda:
+                flat = flat.pin_memory()
+            entry = self._packed[id(adapter)] = (adapter, flat)
+        return entry[1]
+
+    def apply(self, x: torch.Tensor, projections: tuple[tuple[nn.Linear, torch.Tensor], ...]) -> None:
+        """Adds the update of each row's slot to the outputs of projections of input x (in place)."""
+        tiles, row_slots = _local.slots_batch
+        outputs = []
+        for linear, y in projections:
+            a_at, n_in, _ = self.layout[linear._lora_name]
+            outputs.append((y.view(-1, y.shape[-1]), a_at, a_at + self.rank * n_in))
+        x = x.reshape(-1, x.shape[-1])
+        if x.is_cuda:
+            from kernels.lora import lora_add_
+            lora_add_(x, outputs, self.storage, self.scales, tiles, self.rank)
+        else:
+            from kernels.lora import lora_add_ref
+            lora_add_ref(x, outputs, self.storage, self.scales, row_slots, self.rank)
+
+
+def add_slot_updates(x: torch.Tensor, *projections: tuple[nn.Linear, torch.Tensor]) -> None:
+    """Serving from slots: adds each token row's adapter update to the outputs of these projections of input x, in
+    place, in one kernel. Nothing unless this thread serves from slots (serving_slots)."""
+    slots = getattr(_local, "slots", None)
+    if slots is not None:
+        slots.apply(x, projections)
+
+
+@contextlib.contextmanager
+def serving_slots(slots: LoRASlots, tiles: torch.Tensor | None, row_slots: torch.Tensor | None):
+    """Applies the adapters in `slots` to the forwards this thread runs inside the block: on CUDA, those of
+    `tiles` (kernels.lora.lora_tiles, on the device: a graph captures the buffer it is in); on the CPU, each flat
+    token row's slot in row_slots (-1: none)."""
+    _local.slots, _local.slots_batch = slots, (tiles, row_slots)
+    try:
+        yield
+    finally:
+        _local.slots = _local.slots_batch = None

@@ -1,0 +1,218 @@
+"""Serving LoRA adapters from slots: the batched kernel (kernels/lora.py) against its float32 reference in Triton's
+interpreter (on the GPU when there is one), the tiles that hand it rows, the scheduler's limit on distinct adapters
+(and its fairness), and whole engines serving adapters from slots against the eager forward hooks (the reference
+path): one and eight adapters, adapters evicted from their slots between steps. On the GPU the same through the
+CUDA graphs (decode, prefill and mixed steps), within bf16 tolerance."""
+import numpy as np
+import pytest
+import torch
+from test_engine import GREEDY, assert_no_leaks, make_llm
+from tiny_models import make_tiny_model
+
+from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles, slot_rank
+from service.engine.llm import LLM
+from service.engine.scheduler import Scheduler
+from service.engine.sequence import Sequence
+from service.model.lora import Adapter, LoRAConfig, add_adapter
+from service.protocol import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("llama", tmp_path_factory.mktemp("llama"))
+
+
+# -- the kernel and its tiles --------------------------------------------------------------------------------------
+def test_tiles_hold_every_adapter_row_once_in_a_tile_of_its_slot():
+    rng = np.random.default_rng(0)
+    for rows, slots in [(1, 1), (37, 4), (300, 8), (16, 2)]:
+        row_slots = rng.integers(-1, slots, size=rows).astype(np.int32)
+        tiles = lora_tiles(row_slots, max_tiles(rows, slots))
+        seen = []
+        for tile in tiles:
+            members = tile[1:][tile[1:] >= 0]
+            assert (tile[0] < 0) == (len(members) == 0)
+            assert (row_slots[members] == tile[0]).all()
+            seen += members.tolist()
+        assert sorted(seen) == np.flatnonzero(row_slots >= 0).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows,k,widths,slots,rank", [(1, 64, (64,), 1, 4), (37, 96, (150, 40, 40), 4, 16),
+                                                      (130, 200, (333, 70), 8, 40)])
+def test_kernel_matches_the_float32_reference(device, dtype, rows, k, widths, slots, rank):
+    """Up to three projections of one input in one launch, each output a column slice of one wider tensor (as a
+    fused projection's), adapters of rank `rank` zero-padded to the slots' rank, rows with no adapter untouched."""
+    r = slot_rank(rank)
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    wide = torch.randn(rows, sum(widths) + 24, dtype=dtype, device=device)
+    weights = torch.zeros(slots, sum(r * (k + n) for n in widths) + 8, dtype=dtype, device=device)
+    outputs, col, at = [], 8, 8
+    for n in widths:
+        weights[:, at:at + r * k].view(slots, r, k)[:, :rank].normal_(0, 0.2)
+        weights[:, at + r * k:at + r * (k + n)].view(slots, n, r)[:, :, :rank].normal_(0, 0.2)
+        outputs.append((wide[:, col:col + n], at, at + r * k))
+        col, at = col + n, at + r * (k + n)
+    scales = torch.rand(slots, device=device) + 0.5
+    row_slots = torch.randint(-1, slots, (rows,))
+    row_slots[0] = slots - 1  # at least one row has an adapter
+    tiles = torch.from_numpy(lora_tiles(row_slots.numpy().astype(np.int32), max_tiles(rows, slots))).to(device)
+    expected = wide.clone()
+    lora_add_ref(x, [(expected[:, c:c + y.shape[1]], a, b) for (y, a, b), c in
+                     zip(outputs, np.cumsum([8, *widths[:-1]]))], weights, scales, row_slots.to(device), r)
+    before = wide.clone()
+    lora_add_(x, outputs, weights, scales, tiles, r)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(wide.float(), expected.float(), atol=tol, rtol=tol)
+    untouched = (row_slots < 0).to(device)
+    assert torch.equal(wide[untouched], before[untouched])
+    assert not torch.equal(wide[~untouched], before[~untouched])
+
+
+# -- the scheduler ---------------------------------------------------------------------------------------------------
+def test_at_most_max_loras_adapters_run_and_a_waiting_one_is_not_starved():
+    scheduler = Scheduler(num_blocks=64, block_size=16, enable_prefix_caching=False, max_num_seqs=16,
+                          max_num_batched_tokens=256, max_model_len=64, max_loras=2)
+    params = SamplingParams(max_new_tokens=4)
+
+    def add(rid, adapter):
+        scheduler.add(Sequence(rid, [1, 2, 3], params, adapter=adapter, group=rid))
+
+    add("a0", "A"), add("b0", "B"), add("c0", "C"), add("a1", "A"), add("base", None)
+    batch = scheduler.schedule()
+    assert {s.request_id for s in batch.seqs} == {"a0", "b0", "base"}  # C waits; A's later request waits behind it
+    for seq in list(scheduler.running):
+        if seq.adapter == "A":
+            scheduler.free(seq)
+    batch = scheduler.schedule()
+    assert "c0" in {s.request_id for s in batch.seqs} and "a1" not in {s.request_id for s in scheduler.running}
+    assert {s.adapter for s in scheduler.running if s.adapter} == {"B", "C"}
+
+
+# -- engines: slots against the eager hooks ------------------------------------------------------------------------
+def adapters_for(model, count: int, rank: int = 4, std: float = 0.3) -> dict[str, Adapter]:
+    """Random adapters; std: of B's entries (0.3 changes outputs a lot; 0.02 is the size trained ones have)."""
+    adapters = {}
+    for i in range(count):
+        adapter = Adapter.init(model, LoRAConfig(rank=rank, alpha=2.0 * rank), seed=i)
+        for name, (a, b) in adapter.weights.items():
+            b.data.normal_(0, std)
+        adapters[f"tuned-{i}"] = adapter
+    return adapters
+
+
+def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GREEDY) -> dict[str, list[int]]:
+    engine = llm.engine
+    for rid, prompt, adapter in requests:
+        engine.add_request(rid, prompt, params, adapter=adapter)
+    tokens = {rid: [] for rid, _, _ in requests}
+    while engine.has_work:
+        for out in engine.step()[0]:
+            assert out.error is None, out.error
+            tokens[out.request_id].append(out.token_id)
+    assert_no_leaks(llm)
+    return tokens
+
+
+@pytest.mark.parametrize("count,max_loras", [(1, 8), (8, 8), (5, 2)])  # (5, 2): adapters take turns in 2 slots
+def test_adapters_from_slots_give_what_the_eager_hooks_give(model_dir, count, max_loras):
+    slotted, eager = make_llm(model_dir, max_loras=max_loras), make_llm(model_dir, max_loras=0)
+    assert slotted.engine.runner.slots is not None and eager.engine.runner.slots is None
+    for name, adapter in adapters_for(slotted.engine.model, count).items():
+        for llm in (slotted, eager):
+            add_adapter(llm.engine.model, name, adapter.to("cpu", torch.float32))
+    g = torch.Generator().manual_seed(0)
+    requests = [(f"r{i}", torch.randint(3, 200, (int(torch.randint(5, 40, (1,), generator=g)),),
+                                        generator=g).tolist(), None if i % 3 == 2 else f"tuned-{i % count}")
+                for i in range(12)]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    got, want = serve(slotted, requests, params), serve(eager, requests, params)
+    assert got == want
+    base = serve(eager, [(rid + "-base", prompt, None) for rid, prompt, _ in requests], params)
+    assert any(got[rid] != base[rid + "-base"] for rid, _, adapter in requests if adapter)  # the adapters act
+    if count > max_loras:
+        assert slotted.engine.runner.slots.held.count(None) == 0  # every slot was used, some more than once
+
+
+def test_a_dense_adapter_is_served_eagerly_beside_slotted_ones(model_dir):
+    llm, eager = make_llm(model_dir), make_llm(model_dir, max_loras=0)
+    lora = adapters_for(llm.engine.model, 1)["tuned-0"]
+    dense = Adapter.init(llm.engine.model, LoRAConfig(full=True, targets=("o_proj",)), seed=3)
+    for _, (d,) in dense.weights.items():
+        d.data.normal_(0, 0.05)
+    for engine_llm in (llm, eager):
+        add_adapter(engine_llm.engine.model, "lora", lora.to("cpu", torch.float32))
+        add_adapter(engine_llm.engine.model, "dense", dense.to("cpu", torch.float32))
+    requests = [("l", list(range(3, 30)), "lora"), ("d", list(range(5, 25)), "dense"), ("b", [7, 8, 9], None)]
+    assert serve(llm, requests) == serve(eager, requests)
+
+
+# -- the GPU: slots inside the CUDA graphs ---------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("count,max_loras", [(1, 8), (8, 8), (5, 2)])
+def test_adapters_in_cuda_graphs_match_the_eager_reference(tmp_path, count, max_loras):
+    """bf16: the logits of every sampled row, through the CUDA graphs with adapters in slots, against the eager
+    forward with the adapters' hooks, in decode steps, prefill steps and mixed ones (requests arriving while others
+    decode), for every position whose history both runs share (a near-tie that bf16 flips ends a sequence's
+    comparison)."""
+    path = make_tiny_model("qwen2", tmp_path, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    graphs = LLM(str(path), device="cuda", dtype="bfloat16", max_loras=max_loras, num_kv_blocks=256)
+    eager = LLM(str(path), device="cuda", dtype="bfloat16", max_loras=0, cuda_graphs=False, num_kv_blocks=256)
+    assert graphs.engine.runner.lora_graphs and graphs.engine.runner.lora_prefill_graphs
+    for name, adapter in adapters_for(graphs.engine.model, count, rank=8, std=0.05).items():
+        for llm in (graphs, eager):
+            add_adapter(llm.engine.model, name, adapter.to("cuda", torch.bfloat16))
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 1000, (int(torch.randint(3, 100, (1,), generator=g)),), generator=g).tolist()
+               for _ in range(18)]
+
+    def run(llm):
+        engine, runner, logits = llm.engine, llm.engine.runner, {}
+        launch = runner.run
+
+        def spy(batch, pending):  # each sampled row's logits, by (request, position of the token it samples)
+            out, index, greedy = launch(batch, pending)
+            for row, i in enumerate(index):
+                logits[batch.seqs[i].request_id, len(batch.seqs[i].token_ids)] = out[row].float().cpu()
+            return out, index, greedy
+
+        runner.run = spy
+        tokens = {}
+        for wave in range(3):  # later waves arrive while earlier ones decode: mixed steps
+            for i in range(6):
+                rid = f"w{wave}-{i}"
+                adapter = None if i == 5 else f"tuned-{i % count}"
+                engine.add_request(rid, prompts[6 * wave + i], params, adapter=adapter)
+                tokens[rid] = []
+            for _ in range(3):
+                for o in engine.step()[0]:
+                    tokens[o.request_id].append(o.token_id)
+        while engine.has_work:
+            for o in engine.step()[0]:
+                tokens[o.request_id].append(o.token_id)
+        return tokens, logits
+
+    (got, got_logits), (want, want_logits) = run(graphs), run(eager)
+    compared = 0
+    for rid, tokens in want.items():
+        start = len(prompts[int(rid[1]) * 6 + int(rid[3])])
+        for j, (token, ref) in enumerate(zip(got[rid], tokens)):
+            a, b = got_logits[rid, start + j], want_logits[rid, start + j]
+            gap = (a.log_softmax(-1) - b.log_softmax(-1)).abs().max().item()
+            assert gap < 0.1, (rid, j, gap, (a - b).abs().max().item(), a.abs().max().item())
+            compared += 1
+            if token != ref:
+                break
+    assert compared >= 0.8 * sum(map(len, want.values()))
+
+
+def test_the_lora_benchmark_runs_on_the_cpu(tmp_path):
+    import json
+
+    from benchmarks.lora import main
+
+    main(["--device", "cpu", "--out", str(tmp_path), "--steps", "2"])
+    rows = json.loads((tmp_path / "lora.json").read_text())["decode"]
+    assert {(r["batch"], r["adapters"]) for r in rows} == {(b, a) for b in (1, 4) for a in (0, 1, 2)}
+    assert all(r["step_ms"] > 0 and r["step_x"] > 0 for r in rows)
