@@ -319,7 +319,8 @@ InputItem = Annotated[Annotated[InputMessage, Tag("message")] | Annotated[Functi
 
 
 class FunctionTool(_Body):
-    """The Responses API's function tool: a chat tool's function, flat."""
+    """The Responses API's function tool: a chat tool's function, flat (its type first: an unknown tool type is the
+    error a client needs to see, before any missing field)."""
     type: Literal["function"]
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
