@@ -222,10 +222,23 @@ class EngineMetrics:
                                ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r,
                                multiprocess_mode="livemax")
         self._lora_labels: tuple[str, str, str] | None = None
+        self.adapter_reads = counter("llm_lora_adapter_reads", "LoRA adapter files read into memory")
+        self.slot_loads = counter("llm_lora_slot_loads", "LoRA adapters copied into a slot on the device")
+        self.slot_evictions = counter("llm_lora_slot_evictions", "Slot loads that replaced another adapter")
+        self._lora_counts = (0, 0, 0)
 
         for g in (self.running, self.waiting, self.kv_usage, self.batch_size, self.gpu_allocated, self.gpu_reserved,
                   self.gpu_total, self.finetune_tokens_per_second, self.finetune_loss):
             g.set(0)  # in multiprocess mode a gauge is exported once written
+
+    def record_lora_counts(self, reads: int, slot_loads: int, slot_evictions: int) -> None:
+        """The engine's running counts of adapter reads, slot loads and slot evictions (the counters follow)."""
+        counts = (reads, slot_loads, slot_evictions)
+        for counter, now, before in zip((self.adapter_reads, self.slot_loads, self.slot_evictions), counts,
+                                        self._lora_counts):
+            if now > before:
+                counter.inc(now - before)
+        self._lora_counts = counts
 
     def record_step(self, stats) -> None:
         """After every engine step (a service.engine.llm_engine.StepStats)."""

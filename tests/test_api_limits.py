@@ -17,12 +17,14 @@ METRIC_NAMES = ["llm_time_to_first_token_seconds", "llm_inter_token_latency_seco
                 "llm_e2e_request_latency_seconds", "llm_queue_time_seconds", "llm_engine_step_seconds",
                 "llm_request_prompt_tokens", "llm_request_generation_tokens"]
 COUNTERS = ["llm_prompt_tokens_total", "llm_generation_tokens_total", "llm_preemptions_total",
+            "llm_lora_adapter_reads_total", "llm_lora_slot_loads_total", "llm_lora_slot_evictions_total",
             "llm_prefix_cache_queried_tokens_total", "llm_prefix_cache_hit_tokens_total"]
 GAUGES = ["llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio", "llm_batch_size",
           "llm_gpu_memory_allocated_bytes", "llm_gpu_memory_reserved_bytes", "llm_gpu_memory_total_bytes",
           "llm_finetune_tokens_per_second", "llm_finetune_loss"]
 ENGINE_SERIES = {"llm_engine_step_seconds", "llm_preemptions_total", "llm_prefix_cache_queried_tokens_total",
-                 "llm_prefix_cache_hit_tokens_total", *GAUGES}  # labelled with the engine core's index
+                 "llm_prefix_cache_hit_tokens_total", "llm_lora_adapter_reads_total", "llm_lora_slot_loads_total",
+                 "llm_lora_slot_evictions_total", *GAUGES}  # labelled with the engine core's index
 CORE = (("engine", "0"),)
 
 

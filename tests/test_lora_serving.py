@@ -130,8 +130,9 @@ def test_adapters_from_slots_give_what_the_eager_hooks_give(model_dir, count, ma
     assert got == want
     base = serve(eager, [(rid + "-base", prompt, None) for rid, prompt, _ in requests], params)
     assert any(got[rid] != base[rid + "-base"] for rid, _, adapter in requests if adapter)  # the adapters act
-    if count > max_loras:
-        assert slotted.engine.runner.slots.held.count(None) == 0  # every slot was used, some more than once
+    slots = slotted.engine.runner.slots
+    used = {adapter for _, _, adapter in requests if adapter}
+    assert slots.loads >= len(used) and (slots.evictions > 0) == (len(used) > max_loras)  # adapters took turns
 
 
 def test_a_dense_adapter_is_served_eagerly_beside_slotted_ones(model_dir):

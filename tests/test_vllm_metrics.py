@@ -212,7 +212,8 @@ def test_the_core_names_the_adapters_of_its_running_and_waiting_requests():
 
     registry = CollectorRegistry()
     scheduler = SimpleNamespace(running=seqs("b", None, "a", "b"), waiting=seqs("c", None))
-    engine = SimpleNamespace(has_work=True, num_running=4, kv_usage=0.5, scheduler=scheduler, adapter_name=str)
+    engine = SimpleNamespace(has_work=True, num_running=4, kv_usage=0.5, scheduler=scheduler, adapter_name=str,
+                             adapter_reads=2, runner=SimpleNamespace(slots=SimpleNamespace(loads=3, evictions=1)))
     core = SimpleNamespace(engine=engine, num_waiting=2, settings=SimpleNamespace(max_loras=4), _loras_at=0.0,
                            metrics=EngineMetrics(registry, 0, "base", 16, 100))
     EngineCore._record_load(core)

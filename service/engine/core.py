@@ -318,9 +318,10 @@ class EngineCore:
         if e.has_work and now - self._loras_at < LORA_INTERVAL:
             return  # a step pays for no scan of the queues; once idle, the (empty) sets are recorded at once
         self._loras_at = now
-        s = e.scheduler
+        s, slots = e.scheduler, e.runner.slots
         self.metrics.record_loras(adapters(s.running, e.adapter_name), adapters(s.waiting, e.adapter_name),
                                   self.settings.max_loras)
+        self.metrics.record_lora_counts(e.adapter_reads, slots.loads if slots else 0, slots.evictions if slots else 0)
 
     def _record_gpu_memory(self) -> None:
         now = time.monotonic()

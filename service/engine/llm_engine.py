@@ -142,6 +142,7 @@ class LLMEngine:
         self._used_keys: set[str] = set()
         self._versions = itertools.count(1)
         self._fingerprint: dict | None = None
+        self.adapter_reads = 0  # adapter files read into memory (loads, and reloads after max_cpu_loras let go)
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: _InFlight | None = None
         # Weights' metadata, the tokenizer and compiled kernels live as long as the engine: freezing them keeps
@@ -253,9 +254,8 @@ class LLMEngine:
         key = name
         while key in self._used_keys:
             key = f"{name} #{next(self._versions)}"
-        param = next(self.model.parameters())
         try:
-            add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+            self._read(key, path)
         except peft.AdapterNotFound as e:
             raise AdapterError(404, str(e), "lora_path", "adapter_not_found") from None
         except AdapterMismatch as e:
@@ -329,12 +329,17 @@ class LLMEngine:
         if has_adapter(self.model, key):
             return
         path = source[1]
-        param = next(self.model.parameters())
         try:
-            add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+            self._read(key, path)
         except (peft.AdapterFileError, AdapterMismatch) as e:
             raise RequestRejected(f"the adapter cannot be loaded again from {path}: {e}") from None
         self._evict(keep=key)
+
+    def _read(self, key: str, path: str) -> None:
+        """Reads an adapter's file into the registry under key."""
+        param = next(self.model.parameters())
+        add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+        self.adapter_reads += 1
 
     def _evict(self, keep: str | None = None) -> None:
         """Lets the least recently used adapters that no sequence uses (nor `keep`) go, while more than

@@ -283,6 +283,7 @@ class LoRASlots:
         self._last_used = [0] * count
         self._clock = 0
         self._packed: dict[int, tuple[Adapter, torch.Tensor]] = {}  # id(adapter) -> (it, its packed weights)
+        self.loads = self.evictions = 0  # adapters copied into a slot; of those, into one another adapter held
 
     def fits(self, adapter: Adapter) -> bool:
         """Whether the adapter can live in a slot (a dense one, or a rank past max_rank, is served eagerly)."""
@@ -303,8 +304,10 @@ class LoRASlots:
         for name in sorted(names - slot_of.keys()):
             slot = free.pop(0)
             slot_of[name] = slot
+            self.evictions += self.held[slot] is not None
             self.held[slot] = registry[name]
             loads.append((slot, name))
+        self.loads += len(loads)
         for slot in slot_of.values():
             self._last_used[slot] = self._clock
         return slot_of, loads
