@@ -77,7 +77,7 @@ class EngineCore:
                 raise RuntimeError(f"lora_modules: cannot serve {module!r}: {error}") from None
         # One trainer: the other cores share finetune_dir but leave it alone, lest each resume its queued jobs.
         self.jobs = None if engine_index else JobManager(settings, e.model, e.model_name, self.metrics,
-                                                          serve_adapter=self._publish)
+                                                          base=e.fingerprint, serve_adapter=self._publish)
         if engine_index:  # the adapters of core 0's finished jobs (core 0 logs those it cannot serve, and why)
             for name, path in finished_adapters(settings.finetune_dir).items():
                 with contextlib.suppress(AdapterError):
@@ -220,7 +220,7 @@ class EngineCore:
         try:
             if grammar is not None:
                 self.engine.validate(request.prompt_token_ids, request.params, request.adapter)
-                if len(grammar.value) > self.settings.max_grammar_bytes:
+                if len(grammar.value.encode()) > self.settings.max_grammar_bytes:  # as the front-ends count it
                     raise GrammarError(f"longer than {self.settings.max_grammar_bytes} bytes (max_grammar_bytes)")
                 self.compiles.add(grammar, rid, (identity, request))
                 return  # admitted (or refused) once compiled

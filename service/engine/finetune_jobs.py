@@ -39,7 +39,6 @@ import torch
 from service.engine.llm_engine import AdapterError
 from service.finetune.data import load_examples
 from service.finetune.trainer import StepResult, TrainConfig, Trainer, TrainingDiverged
-from service.model.fingerprint import fingerprint
 from service.model.lora import TARGETS, LoRAConfig
 
 log = logging.getLogger(__name__)
@@ -67,10 +66,16 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+def adapter_path(jobs_dir: Path, job_id: str) -> Path:
+    """Where a job's trained adapter is written."""
+    return jobs_dir / job_id / "adapter.safetensors"
+
+
 def finished_adapters(finetune_dir) -> dict[str, str]:
     """{served name: adapter file} of the jobs that succeeded, oldest first, from their records."""
-    jobs = [json.loads(p.read_text()) for p in Path(finetune_dir, "jobs").glob("*/job.json")]
-    return {j["extra"]["served_name"]: str(Path(finetune_dir, "jobs", j["id"], "adapter.safetensors"))
+    jobs_dir = Path(finetune_dir, "jobs")
+    jobs = [json.loads(p.read_text()) for p in jobs_dir.glob("*/job.json")]
+    return {j["extra"]["served_name"]: str(adapter_path(jobs_dir, j["id"]))
             for j in sorted(jobs, key=lambda j: j["created_at"]) if j["status"] == "succeeded"}
 
 
@@ -101,8 +106,10 @@ class JobManager:
     CALLS = ("register_file", "list_files", "get_file", "delete_file", "create_job", "list_jobs", "get_job",
              "cancel_job", "list_events")
 
-    def __init__(self, settings, model, model_name: str, metrics=None, *, serve_adapter: Callable[[str, str], None]):
-        """serve_adapter(name, path): serves a finished job's adapter file as model `name`, as POST
+    def __init__(self, settings, model, model_name: str, metrics=None, *, base: dict,
+                 serve_adapter: Callable[[str, str], None]):
+        """base: the model's fingerprint (service.model.fingerprint), which the adapters of its jobs record.
+        serve_adapter(name, path): serves a finished job's adapter file as model `name`, as POST
         /v1/load_lora_adapter does (LLMEngine.load_adapter: AdapterError if it cannot)."""
         self.settings, self.model, self.model_name, self.metrics = settings, model, model_name, metrics
         self.serve_adapter = serve_adapter
@@ -114,7 +121,7 @@ class JobManager:
         self.jobs = {p.parent.name: json.loads(p.read_text()) for p in sorted(self.jobs_dir.glob("*/job.json"))}
         self.queue: deque[str] = deque()
         self.run: _Run | None = None
-        self.base = fingerprint(model)
+        self.base = base
         self.unserved: dict[str, str] = {}  # job id -> why its adapter is not served: made for another base model
         for job in sorted(self.jobs.values(), key=lambda j: j["created_at"]):
             if job["status"] == "succeeded":
@@ -440,4 +447,4 @@ class JobManager:
         self.metrics.set_finetune_jobs(counts)
 
     def _adapter_path(self, job: dict) -> Path:
-        return self.jobs_dir / job["id"] / "adapter.safetensors"
+        return adapter_path(self.jobs_dir, job["id"])
