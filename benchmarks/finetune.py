@@ -6,7 +6,8 @@ On the GPU: a random bf16 Qwen2.5-0.5B-shaped checkpoint (hidden 896, 24 layers,
 rank 16 / alpha 32 on all 7 projections, AdamW, one micro-batch of 8x512, 4x2048 or 16x1024 (sequences x tokens)
 per optimizer step. transformers + PEFT train the same checkpoint, loaded with SDPA attention (and flash-attn 2
 where `import flash_attn` works), as its Trainer does with bf16=True: adapter weights float32 (PEFT's default),
-forward under torch.autocast(bfloat16); our adapters are float32 too, cast to bf16 in the forward. Per shape the
+forward under torch.autocast(bfloat16); our adapters are float32 too (AdamW's master copy; the forward reads bf16
+copies renewed after each optimizer step). Per shape the
 runs take turns (ours, PEFT, ours, PEFT), each from a fresh load with nothing else on the GPU and freed after, and
 each side keeps its faster run. What is counted (the JSON's "definitions" says the same):
 - tokens/s: every token of the timed optimizer steps' sequences (micro-batch x length per step, targets or not),
@@ -291,6 +292,7 @@ def profile_training(model_dir: Path, args, s: dict, rows: list[dict]) -> list[d
             "micro_batch": micro, "seq_len": length, "steps": steps, "gpu_busy_ms_per_step": busy,
             "step_ms_unprofiled": micro * length / timed["ours"]["tokens_per_s"] * 1000 if timed else None,
             "cpu_self_ms_per_step": sum(e.self_cpu_time_total for e in operators) / steps / 1000,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
             "kernels_by_gpu_time": top(kernels, lambda e: e.self_device_time_total),
             "operators_by_gpu_time": top(operators, lambda e: e.self_device_time_total) if kernels else [],
             "operators_by_cpu_time": top(operators, lambda e: e.self_cpu_time_total)})
@@ -301,7 +303,8 @@ def profile_training(model_dir: Path, args, s: dict, rows: list[dict]) -> list[d
 def print_profile(p: dict) -> None:
     step = f"{p['step_ms_unprofiled']:.1f} ms unprofiled" if p["step_ms_unprofiled"] else "step time not measured"
     print(f"\nprofile {p['micro_batch']}x{p['seq_len']}: GPU busy {p['gpu_busy_ms_per_step']:.1f} ms per step "
-          f"({step}), operators' own CPU time {p['cpu_self_ms_per_step']:.1f} ms per step (profiled)")
+          f"({step}), operators' own CPU time {p['cpu_self_ms_per_step']:.1f} ms per step (profiled), "
+          f"{p['kernels_per_step']:.0f} kernels per step")
     for title in ("kernels_by_gpu_time", "operators_by_gpu_time", "operators_by_cpu_time"):
         if p[title]:
             print(f"{title:<100} {'calls':>6} {'GPU ms':>7} {'CPU ms':>7}  (per step)")

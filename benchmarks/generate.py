@@ -32,14 +32,26 @@ CONFIG = {
     "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151643,
     "use_sliding_window": False, "sliding_window": 32768,
 }
+# Llama-3.2-1B's shape (GQA 32/8, head_dim 64, llama3 rope scaling, tied embeddings)
+LLAMA_1B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": True, "hidden_act": "silu", "torch_dtype": "bfloat16", "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
 WEIGHT_BYTES_FLOOR_MS = 0.33  # ~0.99 GB of bf16 weights read once per decode step at ~3 TB/s
 PROMPT_LEN, NEW_TOKENS, HF_NEW_TOKENS = 128, 256, 32
 
 
-def write_checkpoint(path: Path) -> None:
+def write_checkpoint(path: Path, config: dict = CONFIG) -> None:
+    """Random bf16 weights in `config`'s shape (q/k/v biases for Qwen2), and the embedded model's tokenizer."""
     from safetensors.torch import save_file
 
-    c = CONFIG
+    c = config
+    bias = c["architectures"][0] == "Qwen2ForCausalLM"
     g = torch.Generator(device="cuda").manual_seed(0)
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
@@ -51,15 +63,17 @@ def write_checkpoint(path: Path) -> None:
          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        w |= {p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.q_proj.bias": rand(q),
-              p + "self_attn.k_proj.weight": rand(kv, h), p + "self_attn.k_proj.bias": rand(kv),
-              p + "self_attn.v_proj.weight": rand(kv, h), p + "self_attn.v_proj.bias": rand(kv),
+        if bias:
+            w |= {p + "self_attn.q_proj.bias": rand(q), p + "self_attn.k_proj.bias": rand(kv),
+                  p + "self_attn.v_proj.bias": rand(kv)}
+        w |= {p + "self_attn.q_proj.weight": rand(q, h), p + "self_attn.k_proj.weight": rand(kv, h),
+              p + "self_attn.v_proj.weight": rand(kv, h),
               p + "self_attn.o_proj.weight": rand(h, q), p + "mlp.gate_proj.weight": rand(inter, h),
               p + "mlp.up_proj.weight": rand(inter, h), p + "mlp.down_proj.weight": rand(h, inter),
               p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
               p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16)}
     save_file(w, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(CONFIG))
+    (path / "config.json").write_text(json.dumps(c))
     for name in ("tokenizer.json", "tokenizer_config.json"):  # only loaded; outputs are not detokenized
         shutil.copy(DEFAULT_MODEL_DIR / name, path / name)
 

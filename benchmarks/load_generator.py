@@ -10,12 +10,16 @@ after which they are cancelled and counted as cut). Throughput counts the token 
 window, whichever request they belong to. Latencies and goodput are over the requests that started inside the
 window, followed through the drain: TTFT percentiles over requests, ITL percentiles over all their inter-token
 gaps (cut requests count with the tokens they got), goodput over those that completed.
+
+sequential_ttft: one client's requests one after another, over a new connection each or over one kept alive.
 """
 import asyncio
+import http.client
 import json
 import multiprocessing
 import random
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,14 +40,22 @@ class Workload:
     new_tokens: int
     ignore_eos: bool  # the server extension that makes every request generate exactly new_tokens
     model: str | None = None  # the OpenAI `model` field
+    adapters: tuple[str, ...] = ()  # LoRA adapters a request may name
+    adapter_share: float = 0.0  # the chance that a request names one (drawn at random), else the base model
 
-    def body(self, prompt: str) -> dict:
+    def body(self, prompt: str, adapter: str | None = None) -> dict:
         # Greedy on both endpoints, as the offline reference (TGI is greedy by default).
         extension = {"ignore_eos": True} if self.ignore_eos else {}
         if self.endpoint == TGI:
-            return {"inputs": prompt, "parameters": {"max_new_tokens": self.new_tokens, **extension}}
-        return {"model": self.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": self.new_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extension}
+            named = {"adapter_id": adapter} if adapter else {}
+            return {"inputs": prompt, "parameters": {"max_new_tokens": self.new_tokens, **extension, **named}}
+        return {"model": adapter or self.model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": self.new_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, **extension}
+
+    def adapter(self, rng: random.Random) -> str | None:
+        """The adapter the next request names, or None."""
+        return rng.choice(self.adapters) if self.adapters and rng.random() < self.adapter_share else None
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Record:
     tokens: list[float] = field(default_factory=list)  # arrival of each token event
     ok: bool = False
     error: str | None = None  # neither ok nor error: still running at the cut-off, cancelled
+    adapter: str | None = None  # the LoRA adapter it named
 
 
 @dataclass
@@ -87,7 +100,8 @@ def _parse(endpoint: str, data: bytes) -> tuple[bool, bool, int | None]:
 async def _send(session: aiohttp.ClientSession, workload: Workload, prompt: str, rec: Record):
     rec.sent = time.monotonic()
     try:
-        async with session.post(workload.base_url + workload.endpoint, json=workload.body(prompt)) as response:
+        body = workload.body(prompt, rec.adapter)
+        async with session.post(workload.base_url + workload.endpoint, json=body) as response:
             if response.status != 200:
                 rec.error = f"HTTP {response.status}: {(await response.text())[:200]}"
                 return
@@ -121,7 +135,7 @@ def _prompt(workload: Workload, rng: random.Random) -> str:
 async def _closed_loop(session, workload: Workload, clients: int, rng, stop: float, records: list):
     async def client():
         while time.monotonic() < stop:
-            rec = Record(start=time.monotonic())
+            rec = Record(start=time.monotonic(), adapter=workload.adapter(rng))
             records.append(rec)
             await _send(session, workload, _prompt(workload, rng), rec)
             if rec.error:
@@ -134,7 +148,8 @@ async def _open_loop(session, workload: Workload, rate: float, rng, t0: float, s
     tasks, due = [], t0
     while (due := due + rng.expovariate(rate)) < stop:
         await asyncio.sleep(due - time.monotonic())
-        rec = Record(start=due)  # latency counts from the scheduled arrival, so a late sender cannot hide it
+        # latency counts from the scheduled arrival, so a late sender cannot hide it
+        rec = Record(start=due, adapter=workload.adapter(rng))
         records.append(rec)
         tasks.append(asyncio.create_task(_send(session, workload, _prompt(workload, rng), rec)))
     await asyncio.gather(*tasks)
@@ -230,3 +245,37 @@ def summarize(level: Level, ttft_slo_s: float = 0.5, itl_slo_s: float = 0.05) ->
         "first_error": errors[0] if errors else None,
         "loadgen_processes": len(level.cpu_util), "loadgen_cpu_util": [round(u, 3) for u in level.cpu_util],
     }
+
+
+
+def sequential_ttft(workload: Workload, prompts: list[str], fresh: bool) -> list[float]:
+    """TTFT (s) of each prompt, sent one after another by one client, the standard library's http.client (its
+    headers and body in two writes, TCP_NODELAY unset: as many clients): over a new connection per request,
+    connecting included (fresh, as curl and many callers do), or all over one kept-alive connection."""
+    url = urllib.parse.urlsplit(workload.base_url)
+    conn, times = None, []
+    for prompt in prompts:
+        conn = conn or http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+        start = time.monotonic()
+        body = json.dumps(workload.body(prompt)).encode()
+        conn.request("POST", workload.endpoint, body, {"content-type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise StreamError(f"HTTP {response.status}: {response.read()[:200]!r}")
+        first = complete = None
+        for line in response:
+            if line.startswith(b"data:"):
+                token, complete, _ = _parse(workload.endpoint, line[5:].strip())
+                first = first or (time.monotonic() if token else None)
+                if complete:
+                    break
+        if not (first and complete):
+            raise StreamError("the stream ended without a token or without its final event")
+        response.read()  # the end of the chunked body: the connection is ready for the next request
+        times.append(first - start)
+        if fresh:
+            conn.close()
+            conn = None
+    if conn is not None:
+        conn.close()
+    return times

@@ -1,7 +1,10 @@
-"""LoRA adapters at serving speed: a decode step with adapters in slots against one without, in one process.
+"""LoRA adapters at serving speed: a decode step with adapters in slots against one without, in one process; and
+the service over HTTP with a share of its requests naming adapters (--served).
 
 python benchmarks/lora.py [--out DIR] [--rank 16] [--steps 200]
 python benchmarks/lora.py --device cpu          # the smoke CI runs: the embedded model, few steps, no plot
+python benchmarks/lora.py --served [--out DIR]  # the served part only
+python benchmarks/lora.py --served --device cpu # its smoke: the embedded model, 4 streams, seconds each phase
 
 For batch 1 / 64 / 256 and 0 / 1 / 8 distinct adapters (rows spread evenly over them; rank 16 on all 7
 projections, random weights), two numbers per cell:
@@ -10,11 +13,20 @@ projections, random weights), two numbers per cell:
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
   the adapters loaded into their slots beforehand.
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
-only times mean anything). Writes lora.json and lora.png to --out.
+only times mean anything).
+
+--served: one server (the CLI, benchmarks/serve.py's start) serving 8 random PEFT adapters (rank 16 on all 7
+projections, --lora-modules), and on it, one phase after another, 64 closed-loop streams on /generate_stream
+(benchmarks/load_generator.py; serve.py's GPU workload: 128-token prompts, 256 new tokens) where 0%, 5% and 50% of
+requests name an adapter (drawn at random among the 8): tok/s, TTFT and ITL p50/p99 of each phase, its ratios to
+the 0% phase, and the issue's targets (5%: ITL p50 <= 1.15x and tok/s >= 0.9x; 50%: tok/s >= 0.75x).
+
+Writes lora.json (the part run updates its key, "decode" or "served"; the other stays) and lora.png to --out.
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,11 +37,16 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from service.engine.llm import LLM  # noqa: E402
-from service.model.lora import Adapter, LoRAConfig, add_adapter  # noqa: E402
+from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
 BATCHES = (1, 64, 256)
 ADAPTERS = (0, 1, 8)
+SERVED_ADAPTERS, SERVED_SHARES = 8, (0.0, 0.05, 0.5)
+# Per phase: closed-loop streams, prompt and generated tokens, then seconds of warm-up, measuring window and drain.
+SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup": 3.0, "seconds": 12.0, "drain": 10.0},
+          "cpu": {"streams": 4, "prompt_len": 16, "new_tokens": 16, "warmup": 1.0, "seconds": 3.0, "drain": 20.0}}
+TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 
 
 def load_adapters(llm: LLM, count: int, rank: int) -> list[str]:
@@ -124,22 +141,141 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
     return rows
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def write_peft_adapters(model_dir: Path, out: Path, count: int, rank: int) -> list[str]:
+    """`count` random LoRA adapters (rank `rank`, every projection of every layer) of the checkpoint at model_dir,
+    in PEFT's layout (adapter_config.json and adapter_model.safetensors, as PeftModel.save_pretrained writes them);
+    returns their --lora-modules entries, name=path."""
+    from safetensors.torch import save_file
+
+    c = json.loads((model_dir / "config.json").read_text())
+    hidden, inner = c["hidden_size"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+              "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inner), "mlp.up_proj": (hidden, inner),
+              "mlp.down_proj": (inner, hidden)}  # (in, out) features
+    assert {m.rsplit(".", 1)[1] for m in shapes} == set(TARGETS)
+    modules = []
+    for i in range(count):
+        generator = torch.Generator().manual_seed(i)
+        tensors = {}
+        for layer in range(c["num_hidden_layers"]):
+            for module, (n_in, n_out) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{module}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(rank, n_in, generator=generator) / n_in ** 0.5
+                tensors[f"{key}.lora_B.weight"] = 0.01 * torch.randn(n_out, rank, generator=generator)
+        path = out / f"lora-{i}"
+        path.mkdir(parents=True)
+        save_file({k: t.to(torch.bfloat16) for k, t in tensors.items()}, str(path / "adapter_model.safetensors"))
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS),
+                  "base_model_name_or_path": str(model_dir)}
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        modules.append(f"lora-{i}={path}")
+    return modules
+
+
+def served_phase(server, words: list[str], n_words: int, names: list[str], share: float, cfg: dict,
+                 seed: int) -> dict:
+    """One phase: cfg's closed-loop streams on /generate_stream, each request naming one of `names` with
+    probability `share`; summarize()'s numbers, and TTFT/ITL of the requests that named one."""
+    from benchmarks.load_generator import TGI, Level, Workload, run_level, summarize
+
+    workload = Workload(server.base_url, TGI, words, n_words, cfg["new_tokens"], ignore_eos=True,
+                        adapters=tuple(names), adapter_share=share)
+    level = run_level(workload, concurrency=cfg["streams"], processes=max(1, min(8, (os.cpu_count() or 2) // 2)),
+                      warmup=cfg["warmup"], seconds=cfg["seconds"], drain=cfg["drain"], seed=seed)
+    row = {"adapter_share": share, **summarize(level)}
+    w0, w1 = level.window
+    named = [r for r in level.records if r.adapter and w0 <= r.start < w1]
+    row["adapter_requests"] = len(named)
+    if named:
+        latencies = summarize(Level(named, level.window, level.cpu_util))
+        row["named_adapter"] = {k: latencies[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+    print(f"served, {share:4.0%} naming adapters: {row['tok_per_s']:8.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:.0f} "
+          f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} p99 {row['itl_p99_ms']:.1f} ms  "
+          f"{row['requests']} requests ({len(named)} named one)  {row['errors']} errors", flush=True)
+    return row
+
+
+def served(device: str, rank: int, out: Path) -> dict:
+    """The served phases (SERVED_SHARES) on one server; see the module's docstring."""
+    from benchmarks.serve import _post, prompt_words, start_server, write_model
+    from service.config import DEFAULT_MODEL_DIR
+
+    cfg = SERVED[device]
+    tmp = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    try:
+        model_dir = None if device == "cpu" else tmp / "model"
+        if model_dir is not None:
+            write_model(model_dir)
+        modules = write_peft_adapters(Path(model_dir or DEFAULT_MODEL_DIR), tmp / "adapters", SERVED_ADAPTERS, rank)
+        names = [m.split("=", 1)[0] for m in modules]
+        env = {**os.environ, "LLM_DEVICE": device, "LLM_LOG_LEVEL": "info", "LLM_FINETUNE_DIR": str(tmp / "ft"),
+               "LLM_LORA_MODULES": json.dumps(modules), "LLM_MAX_LORAS": str(SERVED_ADAPTERS),
+               "LLM_MAX_LORA_RANK": str(rank)}
+        if device == "cpu":  # one torch thread: steadier steps beside the load generator on few cores (serve.py)
+            env["OMP_NUM_THREADS"] = "1"
+        words, n_words, prompt_tokens = prompt_words(model_dir and str(model_dir), cfg["prompt_len"])
+        server, startup = start_server(argparse.Namespace(api_server_count=None), model_dir and str(model_dir),
+                                       out / "lora_server.log", env, None, False)
+        try:
+            for name in names:  # each adapter once before anything is measured: served, and in its slot
+                body = {"inputs": "w1 w2 w3", "parameters": {"max_new_tokens": 2, "adapter_id": name}}
+                with _post(f"{server.base_url}/generate", body) as response:
+                    response.read()
+            rows = [served_phase(server, words, n_words, names, share, cfg, seed)
+                    for seed, share in enumerate(SERVED_SHARES)]
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    base = rows[0]
+    for row in rows:
+        for key in ("tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
+            row[f"{key.removesuffix('_ms')}_x"] = row[key] / base[key] if base[key] else None
+    targets = []
+    for share, limits in TARGETS_X.items():
+        row = next(r for r in rows if r["adapter_share"] == share)
+        met = all(row[k] is not None and (row[k] >= v if k == "tok_per_s_x" else row[k] <= v)
+                  for k, v in limits.items())
+        targets.append({"adapter_share": share, **limits, "met": met})
+    return {"adapters": SERVED_ADAPTERS, "rank": rank, "modules": "all 7 projections, every layer; PEFT layout",
+            "endpoint": "/generate_stream", "prompt_tokens": prompt_tokens, **cfg, "startup_s": startup,
+            "phases": rows, "issue_targets": targets}
+
+
+def plot(result: dict, path: Path) -> None:
+    """The decode steps (graph replay, or the step's wall time without CUDA) beside the served phases' ratios."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for count in sorted({r["adapters"] for r in rows}):
-        cells = [r for r in rows if r["adapters"] == count]
-        ax.plot([str(r["batch"]) for r in cells], [r.get("graph_ms") or r["step_ms"] for r in cells], marker="o",
-                label=f"{count} adapters" if count else "base model")
-    ax.set_xlabel("decode batch")
-    ax.set_ylabel("graph replay (ms)")
-    ax.set_title("Decode step with LoRA adapters in slots (rank 16, all projections)")
-    ax.legend()
+    parts = [k for k in ("decode", "served") if k in result]
+    fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4), squeeze=False)
+    for ax, part in zip(axes[0], parts):
+        if part == "decode":
+            rows = result["decode"]
+            for count in sorted({r["adapters"] for r in rows}):
+                cells = [r for r in rows if r["adapters"] == count]
+                ax.plot([str(r["batch"]) for r in cells], [r.get("graph_ms") or r["step_ms"] for r in cells],
+                        marker="o", label=f"{count} adapters" if count else "base model")
+            ax.set_xlabel("decode batch")
+            ax.set_ylabel("graph replay (ms)")
+            ax.set_title("Decode step with LoRA adapters in slots (rank 16, all projections)")
+        else:
+            phases, keys = result["served"]["phases"], ("tok_per_s_x", "ttft_p50_x", "itl_p50_x", "itl_p99_x")
+            width = 0.8 / len(phases)
+            for i, row in enumerate(phases):
+                ax.bar([x + i * width for x in range(len(keys))], [row[k] or 0 for k in keys], width,
+                       label=f"{row['adapter_share']:.0%} of requests name an adapter")
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(keys))], ["tok/s", "TTFT p50", "ITL p50", "ITL p99"])
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ax.set_ylabel("x the phase without adapters")
+            ax.set_title(f"Served, {result['served']['streams']} streams, {result['served']['adapters']} adapters")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv=None) -> None:
@@ -148,7 +284,26 @@ def main(argv=None) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, help="steps timed per cell (default 200; CPU 3)")
+    p.add_argument("--served", action="store_true", help="the served part only (over HTTP), not the decode steps")
     args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "lora.json"
+    result = json.loads(path.read_text()) if path.is_file() else {}
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                               capture_output=True, text=True).stdout.strip()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.served:
+        result["served"] = {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+                            **served(args.device, args.rank, args.out)}
+        print_served(result["served"])
+    else:
+        result |= decode(args, device, commit)
+    path.write_text(json.dumps(result, indent=1))
+    if args.device == "cuda" or args.served:
+        plot(result, args.out / "lora.png")
+
+
+def decode(args, device: str, commit: str) -> dict:
     if args.device == "cpu":
         llm = LLM(None, device="cpu", max_loras=8, max_lora_rank=args.rank)
         rows = measure(llm, args.rank, args.steps or 3, batches=(1, 4), adapter_counts=(0, 1, 2))
@@ -159,19 +314,27 @@ def main(argv=None) -> None:
         llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=4096, max_loras=8,
                   max_lora_rank=args.rank)
         rows = measure(llm, args.rank, args.steps or 200)
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                               capture_output=True, text=True).stdout.strip()
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "commit": commit,
-              "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "rank": args.rank,
-              "weights": "random (Qwen2.5-0.5B shape on the GPU): times only", "decode": rows}
     print(f"{'batch':>6} {'adapters':>9} {'step ms':>9} {'x base':>7} {'graph ms':>9} {'x base':>7}")
     for r in rows:
         graph = f"{r['graph_ms']:9.3f} {r['graph_x']:7.2f}" if r.get("graph_ms") else f"{'-':>9} {'-':>7}"
         print(f"{r['batch']:>6} {r['adapters']:>9} {r['step_ms']:9.3f} {r['step_x']:7.2f} {graph}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "lora.json").write_text(json.dumps(result, indent=1))
-    if args.device == "cuda":
-        plot(rows, args.out / "lora.png")
+    return {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+            "rank": args.rank, "weights": "random (Qwen2.5-0.5B shape on the GPU): times only", "decode": rows}
+
+
+def print_served(served: dict) -> None:
+    print(f"\n{'adapters':>9} {'tok/s':>8} {'x':>5} {'TTFT p50':>9} {'p99':>6} {'ITL p50':>8} {'x':>5} {'p99':>6} "
+          f"{'x':>5} {'reqs':>5} {'named':>5} {'err':>4}")
+    for r in served["phases"]:
+        print(f"{r['adapter_share']:>9.0%} {r['tok_per_s']:8.0f} {r['tok_per_s_x']:5.2f} {r['ttft_p50_ms']:9.0f} "
+              f"{r['ttft_p99_ms']:6.0f} {r['itl_p50_ms']:8.1f} {r['itl_p50_x']:5.2f} {r['itl_p99_ms']:6.1f} "
+              f"{r['itl_p99_x']:5.2f} {r['requests']:>5} {r['adapter_requests']:>5} {r['errors']:>4}")
+    for t in served["issue_targets"]:
+        limits = ", ".join(f"{k} {'>=' if k == 'tok_per_s_x' else '<='} {v}" for k, v in t.items()
+                           if k.endswith("_x"))
+        print(f"{t['adapter_share']:.0%} naming adapters: {limits}: {'met' if t['met'] else 'MISSED'}")
+    if any(r["errors"] for r in served["phases"]):
+        sys.exit("some requests failed: see first_error in lora.json and lora_server.log")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ On the GPU (default), in one run:
    GPU time of one replay of the engine's batch-1 decode CUDA graph;
 2. the server started with its CLI and a fresh empty --compile-cache-dir (cold), stopped, and started again on
    the same directory (warm): seconds from spawn to the first token of a short streamed request;
-3. on the warm server, closed-loop levels (N clients, each sending its next request when the last one ends) on
+3. on the warm server, one client's sequential requests (FRESH_PROMPT_WORDS random words each, --fresh-requests
+   of each kind) over a new connection per request and over one kept-alive connection: TTFT p50/p99 of each;
+4. then closed-loop levels (N clients, each sending its next request when the last one ends) on
    /generate_stream and streaming /v1/chat/completions, then open-loop Poisson arrivals on /generate_stream at
    increasing rates, with goodput: requests/s that met TTFT <= 500 ms and their own ITL p99 <= 50 ms.
 The load comes from worker processes (benchmarks/load_generator.py, which also defines what is measured); each
@@ -19,8 +21,9 @@ The model is a random Qwen2.5-0.5B-shaped bf16 checkpoint (benchmarks/generate.p
 of the model's 151936 tokens, token i the word "w<i>": every sampled token is visible text, so a chat stream
 carries one content chunk per token, and a prompt of 128 random words is 128 tokens.
 
---device cpu: the embedded model on the CPU, one start, 32 closed-loop streams on /generate_stream, 32-token
-prompts and 64 new tokens; the served/offline ratio at 32 streams is the issue's 2-core check.
+--device cpu: the embedded model on the CPU, one start, 10 sequential requests of each connection kind, 32
+closed-loop streams on /generate_stream, 32-token prompts and 64 new tokens; the served/offline ratio at 32 streams
+is the issue's 2-core check.
 
 Writes serve.json and serve.png to --out, the servers' logs beside them, and prints a table.
 """
@@ -41,24 +44,34 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.load_generator import CHAT, TGI, Workload, run_level, summarize  # noqa: E402
+from benchmarks.load_generator import (  # noqa: E402
+    CHAT,
+    TGI,
+    Workload,
+    run_level,
+    sequential_ttft,
+    summarize,
+)
 from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 ENDPOINTS = {"generate_stream": TGI, "chat": CHAT}
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 GPU_DEFAULTS = dict(levels="1,32,128,256", endpoints="generate_stream,chat", rates="8,24,48,96", prompt_len=128,
-                    new_tokens=256, warmup=2.0, seconds=12.0, drain=5.0, budget_s=450.0)
+                    new_tokens=256, warmup=2.0, seconds=12.0, drain=5.0, budget_s=450.0, fresh_requests=30)
 # The issue's 2-core check. Closed-loop clients that start together move in waves (their prefills together, then
 # their decodes): a longer window averages over several.
 CPU_DEFAULTS = dict(GPU_DEFAULTS, levels="32", endpoints="generate_stream", rates="", prompt_len=32, new_tokens=64,
-                    warmup=3.0, seconds=15.0, drain=30.0, budget_s=0.0)
+                    warmup=3.0, seconds=15.0, drain=30.0, budget_s=0.0, fresh_requests=10)
 QUICK = dict(levels="1,8", rates="2,8", warmup=1.0, seconds=3.0)
 START_TIMEOUT_S = 300  # a cold GPU start (Triton compiles, prefill autotuning, CUDA graphs) takes about 100 s
 LEVEL_OVERHEAD_S = 4.0  # of a level beside its warm-up and window: starting the workers, the drain
 MIN_WINDOW_S = 5.0
+FRESH_PROMPT_WORDS, FRESH_NEW_TOKENS = 100, 16  # each sequential request's (issue 34: prompts of 100 random words)
 
 
 # -- the model -------------------------------------------------------------------------------------------------
@@ -326,6 +339,8 @@ def parse_args(argv=None):
     p.add_argument("--drain", type=float, help="most seconds requests may run past the window (default 5; CPU 30)")
     p.add_argument("--budget-s", type=float, help="skip levels that would end the run past this many seconds "
                                                   "(default 450 on the GPU; 0: no limit, the CPU default)")
+    p.add_argument("--fresh-requests", type=int, help="sequential requests over new connections, and as many over "
+                                                      "one kept-alive connection; 0: none (default 30; CPU 10)")
     p.add_argument("--loadgen-processes", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 2)),
                    help="load-generator processes (at most one per closed-loop client; default cores / 2, <= 8)")
     p.add_argument("--api-server-count", type=int, help="HTTP front-end processes of the server (its flag)")
@@ -413,6 +428,7 @@ def run(args, tmp: Path, began: float) -> dict:
     server = start_for_load(args, model_dir, env, tmp, results)
     print(f"server ready; startup {results['startup']}", flush=True)
     try:
+        results["fresh_connection"] = fresh_connection(args, server, words)
         results["rows"] += load_levels(args, server, words, n_words, results, began)
     finally:
         server.stop()
@@ -446,6 +462,26 @@ def start_for_load(args, model_dir: str | None, env: dict, tmp: Path, results: d
         results |= {"startup_cold_s": start["first_token_s"], "startup": {"cold": start}}
         results["notes"].append("cpu: one server start (no compile caches), reported as startup_cold_s")
     return server
+
+
+def fresh_connection(args, server: Server, words: list[str]) -> list[dict]:
+    """One client, one request at a time: TTFT over a new connection per request against one kept-alive
+    connection (issue 34: a new connection cost 33 ms of TTFT)."""
+    if not args.fresh_requests:
+        return []
+    workload = Workload(server.base_url, TGI, words, FRESH_PROMPT_WORDS, FRESH_NEW_TOKENS, ignore_eos=False)
+    rng = random.Random(1)
+    prompts = [" ".join(rng.choices(words, k=FRESH_PROMPT_WORDS)) for _ in range(2 * args.fresh_requests + 1)]
+    sequential_ttft(workload, prompts[:1], fresh=True)  # a first prompt of this length: nothing measured
+    rows = []
+    for name, fresh, batch in (("new", True, prompts[1::2]), ("kept_alive", False, prompts[2::2])):
+        ttft = 1e3 * np.array(sequential_ttft(workload, batch, fresh))
+        rows.append({"connection": name, "requests": len(ttft), "ttft_p50_ms": float(np.percentile(ttft, 50)),
+                     "ttft_p99_ms": float(np.percentile(ttft, 99)), "ttft_min_ms": float(ttft.min()),
+                     "ttft_max_ms": float(ttft.max())})
+        print(f"sequential, {name:10} connection: TTFT p50 {rows[-1]['ttft_p50_ms']:.1f} ms  p99 "
+              f"{rows[-1]['ttft_p99_ms']:.1f} ms  ({len(ttft)} requests)", flush=True)
+    return rows
 
 
 def load_levels(args, server: Server, words: list[str], n_words: int, results: dict, began: float) -> list[dict]:
@@ -506,6 +542,9 @@ def print_table(results: dict) -> None:
           f"commit {results['git_commit']}")
     for ep, by_level in ratios.items():
         print(f"served/offline tok/s {ep}: " + ", ".join(f"{c}: {x:.2f}x" for c, x in by_level.items()))
+    for r in results.get("fresh_connection", []):
+        print(f"sequential requests, {r['connection']} connection: TTFT p50 {r['ttft_p50_ms']:.1f} ms, "
+              f"p99 {r['ttft_p99_ms']:.1f} ms")
     for note in results["notes"]:
         print(f"note: {note}")
 

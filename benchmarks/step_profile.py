@@ -5,9 +5,16 @@ where its host time goes. Decode: the wall time of overlapped steps at a few bat
 that cost most (cProfile), to set against the decode graph's GPU time; and at batch 64 with 3 sequences on a LoRA
 adapter.
 
-python benchmarks/step_profile.py [--tokens 128] [--out DIR]
+Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes, the kernels a decode step
+launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
+512-token context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside
+the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations
+against cuBLAS on each projection of both shapes at 1 and 16 rows.
 
-Uses the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py. Writes step_profile.json.
+python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear] [--out DIR]
+
+Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
+step_profile.json.
 """
 import argparse
 import cProfile
@@ -17,13 +24,15 @@ import os
 import pstats
 import sys
 import tempfile
+import subprocess
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.generate import write_checkpoint  # noqa: E402
+from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
@@ -42,13 +51,30 @@ def median_ms(fn, repeat: int = 50) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--sections", default="prefill,decode,graphs,linear")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(
+                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "date": time.strftime("%Y-%m-%d"), "weights": "random, in the models' shapes: times only"}
+    if "linear" in sections:
+        result["linear"] = sweep_linear()
+    if "graphs" in sections:
+        result["graphs"] = {name: decode_graphs(config) for name, config in SHAPES.items()}
+        print_graphs(result["graphs"])
+    if sections & {"prefill", "decode"}:
+        result |= prefill_and_decode(args.tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_profile.json").write_text(json.dumps(result, indent=1))
+
+
+def prefill_and_decode(n: int) -> dict:
     tmp = Path(tempfile.mkdtemp())
     write_checkpoint(tmp)
     llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
     runner, model = llm.engine.runner, llm.engine.model
-    n = args.tokens
     tables = [list(range(-(-n // runner.block_size)))]
 
     @torch.inference_mode()
@@ -83,9 +109,8 @@ def main():
     averages = prof.key_averages()
     gpu_ms = sum(e.self_device_time_total for e in averages) / 5 / 1e3
     table = averages.table(sort_by="self_cpu_time_total", row_limit=25)
-    result = {"gpu": torch.cuda.get_device_name(), "tokens": n, "layers": model.config.num_hidden_layers,
-              "step_wall_ms": wall, "step_gpu_ms": gpu_ms, "attention_call_host_us": attention_host_us,
-              "attention_call_wall_ms": attention_ms}
+    result = {"tokens": n, "layers": model.config.num_hidden_layers, "step_wall_ms": wall, "step_gpu_ms": gpu_ms,
+              "attention_call_host_us": attention_host_us, "attention_call_wall_ms": attention_ms}
     result |= engine_ttft(llm, n)
     decode = {batch: decode_profile(llm, batch) for batch in (1, 64, 256)}
     result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, 64, adapter_rows=3)
@@ -94,10 +119,166 @@ def main():
         print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step\n{d['profile']}")
     result["decode_step_ms"] = {batch: d["step_ms"] for batch, d in decode.items()}
     print(json.dumps(result, indent=1))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "step_profile.json").write_text(json.dumps(
-        {**result, "prefill_profile": table, "decode_profiles": {b: d["profile"] for b, d in decode.items()}},
-        indent=1))
+    del llm
+    torch.cuda.empty_cache()
+    return {**result, "prefill_profile": table, "decode_profiles": {b: d["profile"] for b, d in decode.items()}}
+
+
+SHAPES = {"Qwen2.5-0.5B": CONFIG, "Llama-3.2-1B": LLAMA_1B_CONFIG}
+GRAPH_BATCHES = (1, 8, 64, 256)
+CONTEXT = 512
+COPY_BYTES_PER_S = 3.0e12  # device-to-device copy on the H100 (../shared/device/README.md)
+
+
+def prime_decode_rows(runner, batch: int, context: int) -> None:
+    """The decode graphs' static inputs for `batch` sequences of `context` cached tokens each (their own blocks),
+    each decoding its next token: a replay then does a real step's work."""
+    rows, tables, size = runner.static["rows"], runner.static["tables"], runner.block_size
+    blocks = -(-(context + 1) // size)
+    ids = torch.arange(batch * blocks, dtype=torch.int32, device=rows.device).view(batch, blocks)
+    tables[:batch, :blocks] = ids
+    pos = context
+    rows[:batch, 0], rows[:batch, 1], rows[:batch, 2] = 5, -1, pos
+    rows[:batch, 3] = ids[:, pos // size] * size + pos % size
+    rows[:batch, 4] = pos + 1
+    rows[:batch, 5] = torch.arange(batch, dtype=torch.int32, device=rows.device)
+
+
+def replay_ms(graph, replays: int = 50) -> float:
+    for _ in range(3):
+        graph.replay()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    stop.record()
+    stop.synchronize()
+    return start.elapsed_time(stop) / replays
+
+
+def count_kernels(fn) -> tuple[int, dict[str, float]]:
+    """Kernels one call of fn launches (eagerly: the graph of the same forward holds the same kernels), and the
+    GPU microseconds of each kernel name."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
+    times: dict[str, float] = {}
+    for e in kernels:
+        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
+    return len(kernels), times
+
+
+# (name, fused projections, programmatic dependent launch): the path as it is, without PDL, and the module path
+PATHS = [("fused", True, True), ("fused_no_pdl", True, False), ("modules", False, False)]
+
+
+def decode_graphs(config: dict) -> dict:
+    """Kernels and graph GPU time of decode steps on each of PATHS, in one process."""
+    from kernels import configs
+
+    tmp = Path(tempfile.mkdtemp())
+    write_checkpoint(tmp, config)
+    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
+    runner, model = llm.engine.runner, llm.engine.model
+    weights = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
+    out = {"layers": model.config.num_hidden_layers, "weight_gb": sum(weights.values()) / 1e9,
+           "floor_ms": 1e3 * sum(weights.values()) / COPY_BYTES_PER_S, "context": CONTEXT, "paths": {}}
+    pdl = configs.PDL
+    for name, fused, with_pdl in PATHS:
+        configs.PDL = pdl and with_pdl
+        model.fuse_projections(fused)
+        runner._capture_graphs()
+        cells = {}
+        for batch in GRAPH_BATCHES:
+            prime_decode_rows(runner, batch, CONTEXT)
+            with torch.inference_mode():
+                forward = runner._decode_forward(batch)
+                kernels, times = count_kernels(forward)
+                layers = model.model.layers
+                model.model.layers = layers[:1]
+                one_layer, _ = count_kernels(forward)
+                model.model.layers = layers
+            cells[batch] = {"graph_ms": replay_ms(runner.graphs[batch]), "kernels": kernels,
+                            "kernels_per_layer": (kernels - one_layer) / (len(layers) - 1)}
+            if batch == 1:  # where a batch-1 step's GPU time goes (eager kernel times: launches not included)
+                cells[batch]["kernel_us"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
+        out["paths"][name] = cells
+    configs.PDL = pdl
+    del llm, runner, model
+    torch.cuda.empty_cache()
+    return out
+
+
+def print_graphs(graphs: dict) -> None:
+    print(f"{'shape':>14} {'batch':>6} {'path':>13} {'graph ms':>9} {'kernels':>8} {'/layer':>7} {'floor ms':>9}")
+    for name, g in graphs.items():
+        for batch in GRAPH_BATCHES:
+            for path, cells in g["paths"].items():
+                c = cells[batch]
+                print(f"{name:>14} {batch:>6} {path:>13} {c['graph_ms']:9.3f} {c['kernels']:8d} "
+                      f"{c['kernels_per_layer']:7.1f} {g['floor_ms']:9.3f}")
+        print(f"{name} batch 1, fused, GPU us per kernel name:", json.dumps(g["paths"]["fused"][1]["kernel_us"]))
+
+
+def _graph_ms(fn, calls: int = 20) -> float:
+    """GPU time of fn in a CUDA graph of `calls` calls (the launches as a decode step's graph pays them)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return replay_ms(graph, 10) / calls
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (down)
+LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)] + [
+    (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1)]
+SPLIT_CONFIGS = [(16, 512, 4, 3, s) for s in (2, 4, 8)] + [(32, 512, 4, 3, s) for s in (2, 4)]
+
+
+def sweep_linear() -> list[dict]:
+    """Each projection of both shapes (q/k/v and gate/up fused) at 1 and 16 rows: cuBLAS (plus the separate SwiGLU
+    kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell."""
+    from kernels.decode_linear import decode_linear
+    from kernels.elementwise import silu_mul
+
+    rows_out = []
+    for name, c in SHAPES.items():
+        h, inter = c["hidden_size"], c["intermediate_size"]
+        d = c.get("head_dim") or h // c["num_attention_heads"]
+        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+        for proj, (n, k, silu) in {"qkv": (q + 2 * kv, h, False), "o": (h, q, False),
+                                   "gate_up": (2 * inter, h, True), "down": (h, inter, False)}.items():
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                if silu:
+                    def cublas():
+                        y = torch.nn.functional.linear(x, w)
+                        silu_mul(y[:, :inter], y[:, inter:])
+                else:
+                    def cublas():
+                        torch.nn.functional.linear(x, w)
+                timed = {}
+                for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj == "down" else []):
+                    try:
+                        timed[cfg] = _graph_ms(lambda cfg=cfg: decode_linear(x, w, silu_mul=silu, config=cfg,
+                                                                             partials=cfg[-1] > 1))
+                    except triton.runtime.errors.OutOfResources:  # shared memory: too many stages of this tile
+                        continue
+                best = min(timed, key=timed.get)
+                row = {"shape": name, "proj": proj, "n": n, "k": k, "rows": m, "cublas_us": 1e3 * _graph_ms(cublas),
+                       "best_us": 1e3 * timed[best], "best": best,
+                       "configs_us": {str(cfg): 1e3 * t for cfg, t in timed.items()}}
+                rows_out.append(row)
+                print(f"{name:>14} {proj:>8} rows {m:>2}: cuBLAS {row['cublas_us']:6.1f} us, decode_linear "
+                      f"{row['best_us']:6.1f} us {best}", flush=True)
+    return rows_out
 
 
 def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:

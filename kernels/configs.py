@@ -1,9 +1,36 @@
 """Autotune configs for every kernel, one section per kernel file."""
+import functools
 import os
 
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# ---------------------------------------------------------------------------------------------------------
+# Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the one before it in
+# the stream finishes, and waits (gdc_wait) before it reads or writes anything that kernel touches; weights, which
+# no kernel of a step writes, may be read before the wait. A decode step of a small model is a chain of kernels of a
+# few microseconds each, so each launch's latency hides behind its predecessor's tail (CUDA graphs keep the
+# dependency). The decode path's kernels use it (decode_linear, elementwise, decode); PDL = False turns it off.
+# ---------------------------------------------------------------------------------------------------------
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (the kernels' imports)
+    PDL = not INTERPRET
+except ImportError:  # a Triton without the griddepcontrol ops
+    gdc_launch_dependents = gdc_wait = None
+    PDL = False
+
+
+def pdl_launch(device) -> dict:
+    """The launch options of a kernel that supports PDL (its PDL constexpr set to match) on `device`."""
+    on = PDL and device.type == "cuda" and _capability(device.index)[0] >= 9
+    return {"launch_pdl": True, "PDL": True} if on else {"PDL": False}
+
+
+@functools.cache
+def _capability(index) -> tuple[int, int]:
+    import torch
+    return torch.cuda.get_device_capability(index)
 
 # ---------------------------------------------------------------------------------------------------------
 # Prefill forward (kernels/prefill.py)

@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import DECODE_BLOCK_N, DECODE_NUM_STAGES, DECODE_NUM_WARPS
+from kernels.configs import DECODE_BLOCK_N, DECODE_NUM_STAGES, DECODE_NUM_WARPS, gdc_launch_dependents, gdc_wait, \
+    pdl_launch
 
 LOG2E = 1.4426950408889634
 
@@ -33,7 +34,10 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out
                          GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                         VARLEN_Q: tl.constexpr):
+                         VARLEN_Q: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -109,7 +113,11 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out
 def _decode_merge_kernel(PartialOut, PartialLse, Out, CacheSeqlens, QRows, nheads,
                          stride_ob, stride_os, stride_oh,
                          SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, VARLEN_Q: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, VARLEN_Q: tl.constexpr,
+                         PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)  # over batch * nheads * seqlen_q, the partials' order
     qi = row % SEQLEN_Q
     head = (row // SEQLEN_Q) % nheads
@@ -239,7 +247,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
         GROUP=group, SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=max(16, triton.next_power_of_2(group * seqlen_q)),
         BLOCK_N=block_n, IS_CAUSAL=causal, VARLEN_Q=varlen, num_warps=DECODE_NUM_WARPS,
-        num_stages=DECODE_NUM_STAGES,
+        num_stages=DECODE_NUM_STAGES, **pdl_launch(q.device),
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch * nheads * seqlen_q,)](
@@ -247,4 +255,5 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
             out.stride(0), out.stride(1), out.stride(2),
             SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, SPLITS_PADDED=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim, HEAD_DIM_PADDED=triton.next_power_of_2(head_dim), VARLEN_Q=varlen, num_warps=4,
+            **pdl_launch(q.device),
         )

@@ -6,9 +6,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr):
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
@@ -29,63 +35,145 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps,
-                                           BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8)
+                                           BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8,
+                                           **pdl_launch(x.device))
     return out.view(x.shape)
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_tok, stride_head, token, n_heads, cos, sin, HALF: tl.constexpr,
-                  HEADS: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res, stride_out, n_cols,
+                         eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    x = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(SPLITS):  # partial sums of a projection over ranges of its K, in a fixed order
+        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    dtype = res_ptr.dtype.element_ty
+    x = x.to(dtype).to(tl.float32)  # the projection's output, rounded as the layer rounds it
+    res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
+    # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
+    total = (res + x).to(dtype)
+    tl.store(res_ptr + row * stride_res + cols, total, mask=ok)
+    total = total.to(tl.float32)
+    normed = total * tl.rsqrt(tl.sum(total * total, 0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then RMSNorm(residual) * weight: the decoder's residual add and the next norm in
+    one pass. residual [rows, dim]; x like it, or float32 partial sums [splits, rows, dim] of the projection that
+    produced it (kernels.decode_linear partials), added up and rounded here."""
+    rows, dim = residual.shape
+    splits = x.view(-1, rows, dim).shape[0] if x.dim() == 3 else 1
+    if x.shape[-2:] != residual.shape or x.stride(-1) != 1 or residual.stride(1) != 1:
+        raise ValueError(f"x and residual must be [rows, dim] with unit column stride, got {tuple(x.shape)}, "
+                         f"{tuple(residual.shape)}")
+    out = torch.empty_like(residual)
+    if rows:
+        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2),
+                                      residual.stride(0), out.stride(0), dim, eps, SPLITS=splits,
+                                      BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8,
+                                      **pdl_launch(x.device))
+    return out
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_tok, stride_head, token, n_heads, cos, sin, out_ptr, stride_out_head,
+                  HALF: tl.constexpr, HEADS: tl.constexpr):
+    """Rotates one token's heads of x into out (out_ptr: that token's row; x's own row rotates in place)."""
     heads = tl.arange(0, HEADS)[:, None]
     cols = tl.arange(0, HALF)[None, :]
     ok = heads < n_heads
     first = x_ptr + token * stride_tok + heads * stride_head + cols
     x1 = tl.load(first, mask=ok).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=ok)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=ok)
+    out = out_ptr + heads * stride_out_head + cols
+    tl.store(out, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                 stride_cs, n_heads, n_heads_k, HALF: tl.constexpr, HEADS: tl.constexpr, HEADS_K: tl.constexpr):
+                 stride_cs, n_heads, n_heads_k, v_ptr, stride_v_tok, stride_v_head, slot_ptr, k_cache, v_cache,
+                 stride_cache_slot, stride_cache_head, HALF: tl.constexpr, HEADS: tl.constexpr,
+                 HEADS_K: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     cols = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cols)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + cols)
-    _rotate_heads(q_ptr, stride_q_tok, stride_q_head, token, n_heads, cos, sin, HALF, HEADS)
-    _rotate_heads(k_ptr, stride_k_tok, stride_k_head, token, n_heads_k, cos, sin, HALF, HEADS_K)
+    q_row = q_ptr + token * stride_q_tok
+    _rotate_heads(q_ptr, stride_q_tok, stride_q_head, token, n_heads, cos, sin, q_row, stride_q_head, HALF, HEADS)
+    if STORE:  # k rotated, and v as it is, into the token's paged-cache slot (-1: padding, nothing written)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            k_row = k_cache + slot * stride_cache_slot
+            _rotate_heads(k_ptr, stride_k_tok, stride_k_head, token, n_heads_k, cos, sin, k_row, stride_cache_head,
+                          HALF, HEADS_K)
+            heads = tl.arange(0, HEADS_K)[:, None]
+            d = tl.arange(0, 2 * HALF)[None, :]
+            ok = heads < n_heads_k
+            v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + d, mask=ok)
+            tl.store(v_cache + slot * stride_cache_slot + heads * stride_cache_head + d, v, mask=ok)
+    else:
+        k_row = k_ptr + token * stride_k_tok
+        _rotate_heads(k_ptr, stride_k_tok, stride_k_head, token, n_heads_k, cos, sin, k_row, stride_k_head, HALF,
+                      HEADS_K)
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor):
+def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, store=None):
     """Rotates q [tokens, heads, head_dim] and k [tokens, heads_k, head_dim] in place (the half-split layout of
     Hugging Face checkpoints) by the angles of each token's position: cos_sin float32 [positions, head_dim], the
-    cosines then the sines. head_dim must be a power of two (every Llama-family model's is)."""
+    cosines then the sines. head_dim must be a power of two (every Llama-family model's is).
+
+    store: (v, k_cache, v_cache, slot_mapping): instead of rotating k in place, writes rotated k and v into each
+    token's slot of the paged caches [num_blocks, block_size, heads_k, head_dim] (kvcache.store's layout; slot -1
+    writes nothing), saving the store's launch and a pass over k."""
     tokens, heads, head_dim = q.shape
     if head_dim & (head_dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"need a power-of-two head_dim with unit stride, got {head_dim}")
+    v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
+    if store is not None and (v.stride(-1) != 1 or not k_cache.is_contiguous() or k_cache.shape != v_cache.shape
+                              or k_cache.shape[2:] != k.shape[1:]):
+        raise ValueError("store needs v with unit stride and contiguous caches [blocks, block_size, heads_k, dim]")
     if tokens:
         _rope_kernel[(tokens,)](q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                cos_sin.stride(0), heads, k.shape[1], HALF=head_dim // 2,
-                                HEADS=triton.next_power_of_2(heads), HEADS_K=triton.next_power_of_2(k.shape[1]))
+                                cos_sin.stride(0), heads, k.shape[1], v, v.stride(0), v.stride(1), slots, k_cache,
+                                v_cache, k.shape[1] * head_dim, head_dim, HALF=head_dim // 2,
+                                HEADS=triton.next_power_of_2(heads), HEADS_K=triton.next_power_of_2(k.shape[1]),
+                                STORE=store is not None, **pdl_launch(q.device))
     return q, k
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    gate = tl.load(gate_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
+    gate = tl.load(gate_ptr + row * stride_gate + offs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * n + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, elementwise, for contiguous tensors of one shape."""
-    gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty_like(gate)
+    """silu(gate) * up, elementwise, for tensors of one shape [..., n] whose rows may be column slices of wider ones
+    (the two halves of the fused gate-up projection's output)."""
+    shape, n = gate.shape, gate.shape[-1]
+    gate, up = gate.reshape(-1, n), up.reshape(-1, n)
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    if gate.numel():
-        _silu_mul_kernel[(triton.cdiv(gate.numel(), block),)](gate, up, out, gate.numel(), BLOCK=block)
-    return out
+    if out.numel():
+        _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), n,
+                                                                 BLOCK=block)
+    return out.view(shape)

@@ -3,7 +3,7 @@ random inputs with sizes that are not powers of two (hidden 896, intermediate 48
 import pytest
 import torch
 
-from kernels.elementwise import apply_rope_, rms_norm, silu_mul
+from kernels.elementwise import add_rms_norm_, apply_rope_, rms_norm, silu_mul
 from service.model.layers import RotaryEmbedding, apply_rope_ref, rms_norm_ref, silu_mul_ref
 from tests.helpers import rel_err
 
@@ -72,3 +72,52 @@ def test_gpu_bf16_at_real_sizes():
     assert rel_err(q, ref_q) < 1e-2 and rel_err(k, ref_k) < 1e-2
     gate, up = (torch.randn(2048, 14336, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     assert rel_err(silu_mul(gate, up), silu_mul_ref(gate.float(), up.float())) < 1e-2
+
+
+def test_silu_mul_reads_the_halves_of_a_fused_projection(device):
+    gate_up = torch.randn(5, 2 * 1000, device=device) * 3
+    gate, up = gate_up[:, :1000], gate_up[:, 1000:]
+    assert rel_err(silu_mul(gate, up), silu_mul_ref(gate, up)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 896), (1, 80)])
+def test_add_rms_norm_matches_add_then_eager_norm(device, dtype, shape):
+    x, residual = (torch.randn(shape, device=device, dtype=dtype) * 3 for _ in range(2))
+    weight = torch.randn(shape[-1], device=device, dtype=dtype)
+    total = residual + x
+    out = add_rms_norm_(x, residual, weight, 1e-6)
+    assert torch.equal(residual, total)  # the stream is updated in place, rounded as `residual + x` rounds
+    assert rel_err(out, rms_norm_ref(total, weight, 1e-6)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_writes_rotated_keys_and_values_into_their_cache_slots(device, dtype):
+    from kvcache.store import store_kv_ref
+    heads, heads_k, head_dim, tokens, block = 6, 2, 64, 9, 16
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    qkv = torch.randn(tokens, (heads + 2 * heads_k) * head_dim, device=device, dtype=dtype)
+    q, k, v = qkv.split([heads * head_dim, heads_k * head_dim, heads_k * head_dim], dim=1)
+    q, k, v = (t.view(tokens, -1, head_dim) for t in (q, k, v))
+    slots = torch.randperm(4 * block, device=device)[:tokens]
+    slots[3] = -1  # a padding row writes nothing
+    ref_q, ref_k = apply_rope_ref(q.float(), k.float(), positions, rotary.cos_sin)
+    ref_caches = [torch.zeros(4, block, heads_k, head_dim, device=device, dtype=torch.float32) for _ in range(2)]
+    store_kv_ref(ref_k, v.float(), *ref_caches, slots)
+    caches = [torch.zeros(4, block, heads_k, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    k_before = k.clone()
+    apply_rope_(q, k, positions, rotary.cos_sin, store=(v, *caches, slots))
+    assert rel_err(q, ref_q) < _tol(dtype)
+    assert torch.equal(k, k_before)  # rotated into the cache, not in place
+    assert rel_err(caches[0], ref_caches[0]) < _tol(dtype) and torch.equal(caches[1], ref_caches[1].to(dtype))
+
+
+def test_add_rms_norm_adds_up_a_projections_partial_sums(device):
+    partials = torch.randn(4, 5, 896, device=device)
+    residual = torch.randn(5, 896, device=device, dtype=torch.float16)
+    weight = torch.randn(896, device=device, dtype=torch.float16)
+    total = residual + partials.sum(0).to(torch.float16)
+    out = add_rms_norm_(partials, residual, weight, 1e-6)
+    assert rel_err(residual, total) < 1e-3
+    assert rel_err(out, rms_norm_ref(total, weight, 1e-6)) < 2e-3

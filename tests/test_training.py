@@ -181,4 +181,42 @@ def test_a_training_step_updates_the_adapter_as_the_plain_loss_does(tmp_path, mo
     ref_grads, ref_losses, ref_weights = train(linear_cross_entropy_ref)
     assert len(losses) == 4 and rel_err(torch.tensor(losses), torch.tensor(ref_losses)) < 1e-5
     assert grads.any() and rel_err(grads, ref_grads) < 1e-5
-    assert rel_err(weights, ref_weights) < 1e-5
+    # Adam divides each update by the gradient's running scale: float32 summation-order noise in small gradients
+    # grows to ~1e-5 after four steps on some BLAS builds (torch 2.11 on the GPU machine read 1.3e-5).
+    assert rel_err(weights, ref_weights) < 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_train_as_eager_steps_do(tmp_path):
+    """Micro-batches of repeated shapes replay captured graphs (and the optimizer step too): the losses and the
+    trained adapter are those of eager steps, shapes that come once or twice included."""
+    from service.finetune import trainer as training
+    from service.model.loader import load_model
+    from service.model.lora import LoRAConfig
+    from tests.tiny_models import VOCAB, make_tiny_model
+
+    model = load_model(make_tiny_model("qwen2", tmp_path / "qwen2"), torch.float32, "cuda")
+    lengths = [40, 40, 33, 40, 40, 40, 40, 57, 40, 40, 40, 40]
+    examples = [Example(torch.randint(3, VOCAB, (n,)).tolist(), [i % 3 > 0] * n) for i, n in enumerate(lengths)]
+
+    def train(graphs):
+        config = training.TrainConfig(learning_rate=1e-2, batch_size=4, micro_batch_size=2, n_epochs=3, seed=1,
+                                      warmup_steps=2, cuda_graphs=graphs)
+        trainer = training.Trainer(model, examples, config, LoRAConfig(rank=4, alpha=8))
+        losses = [r.loss for r in trainer.micro_batches() if r is not None]
+        return trainer, torch.tensor(losses), torch.cat([t.detach().flatten() for t in trainer.adapter.parameters()])
+
+    trainer, losses, weights = train(True)
+    assert any(g is not None for g in trainer._micro_graphs.values()) and trainer._step_graph is not None
+    _, ref_losses, ref_weights = train(False)
+    assert rel_err(losses, ref_losses) < 1e-4 and rel_err(weights, ref_weights) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_fused_chunked_loss_on_cuda_matches_the_plain_loss(dtype, tol):
+    hidden, weight, labels = (t.cuda() for t in _loss_inputs(dtype, vocab=5003))
+    hidden = hidden.detach().requires_grad_(True)
+    loss, grad = _value_and_grad(linear_cross_entropy, hidden, weight, labels, chunk_rows=8)
+    ref_loss, ref_grad = _value_and_grad(linear_cross_entropy_ref, hidden, weight, labels)
+    assert rel_err(loss, ref_loss) < 1e-5 and rel_err(grad, ref_grad) < tol

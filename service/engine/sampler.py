@@ -123,7 +123,10 @@ def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cud
 
 def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax (bf16 orders tokens as their float32 values do) and its logprob: the row's maximum minus
-    its logsumexp, in float32. The decode graphs compute it too (model_runner)."""
+    its logsumexp, in float32. The decode graphs compute it too (model_runner). On CUDA, kernels/greedy.py."""
+    if logits.is_cuda:
+        from kernels.greedy import greedy as greedy_kernels
+        return greedy_kernels(logits)
     top, tokens = logits.max(-1)
     return tokens, top.float() - logits.float().logsumexp(-1)
 

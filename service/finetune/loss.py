@@ -58,6 +58,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _chunks(hidden, weight, labels, chunk_rows, grad):
     """The summed loss (float32); with grad ([tokens, dim]) given, also fills it with d loss / d hidden."""
+    if grad is not None and hidden.is_cuda and hidden.dtype != torch.float64:
+        return _fused_chunks(hidden, weight, labels, chunk_rows, grad)
     loss = torch.zeros((), dtype=_loss_dtype(hidden), device=hidden.device)
     rows = torch.arange(min(chunk_rows, hidden.shape[0]), device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_rows):
@@ -77,3 +79,17 @@ def _chunks(hidden, weight, labels, chunk_rows, grad):
             probs[rows[:stop - start], target] = torch.expm1(picked).to(probs.dtype)
             torch.mul(probs @ weight, valid[:, None], out=grad[start:stop])  # no gradient on ignored rows
     return loss
+
+
+def _fused_chunks(hidden, weight, labels, chunk_rows, grad):
+    """_chunks with each chunk's softmax - onehot written over its logits by one kernel (kernels.training), which
+    reads them twice and writes them once: no float32 log-probabilities, a third of the passes over the logits."""
+    from kernels.training import cross_entropy_grad_
+
+    losses = []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        stop = min(start + chunk_rows, hidden.shape[0])
+        logits = hidden[start:stop] @ weight.t()
+        losses.append(cross_entropy_grad_(logits, labels[start:stop], IGNORE))
+        torch.mm(logits, weight, out=grad[start:stop])  # rows without a target are zero already
+    return torch.cat(losses).sum()

@@ -3,8 +3,14 @@
 Each micro-batch is packed into one flat sequence with cu_seqlens, so the model's training forward runs our
 Triton varlen attention (forward + backward kernels) on CUDA, and the PyTorch reference on CPU. The loss is the
 mean cross-entropy over the target tokens of the whole optimizer step (completion tokens only), computed over the
-vocabulary in chunks (service.finetune.loss). The trained weights are float32 (the master copy) and cast to the
-model's dtype (bf16 on GPU) in the forward; AdamW steps them after `grad_accum` micro-batches.
+vocabulary in chunks (service.finetune.loss). The trained weights are float32 (the master copy, which AdamW steps
+after `grad_accum` micro-batches); LoRA's forward reads copies in the model's dtype (bf16 on GPU), renewed after
+each optimizer step (Adapter.start_training).
+
+On CUDA a LoRA step is bound by the host (thousands of small launches) unless it runs as CUDA graphs: the forward
++ backward of a micro-batch is captured per shape (tokens, sequences, longest sequence) the second time that shape
+comes, and replayed from then on with the micro-batch copied into its inputs; the optimizer step (clipping, AdamW,
+zeroing the gradients) is captured after its first run. Graphs share one memory pool and never run at once.
 """
 import math
 import random
@@ -33,6 +39,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     warmup_steps: int = 0
+    cuda_graphs: bool = True  # LoRA on CUDA: replay micro-batches of repeated shapes and the optimizer step
+    max_graphs: int = 8  # micro-batch shapes kept captured (the first ones seen twice)
 
 
 @dataclass
@@ -62,8 +70,32 @@ def pack(examples: list[Example], device) -> tuple[torch.Tensor, torch.Tensor, t
 def loss_sum(model, examples: list[Example], device) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy over the target tokens of the examples (fp32), and how many there were."""
     input_ids, labels, positions, cu, max_len, targets = pack(examples, device)
+    return _packed_loss(model, input_ids, labels, positions, cu, max_len), targets
+
+
+def _packed_loss(model, input_ids, labels, positions, cu, max_len) -> torch.Tensor:
     hidden = model.model(input_ids, positions, None, cu, max_len)  # forward_train without the LM head
-    return linear_cross_entropy(hidden, model.lm_head.weight, labels), targets
+    return linear_cross_entropy(hidden, model.lm_head.weight, labels)
+
+
+class _MicroBatchGraph:
+    """One micro-batch shape's forward + backward, captured: static inputs, the loss it leaves, and the factor of
+    the loss's gradient (1 / the step's targets) as a tensor, so that any batch of that shape replays it."""
+
+    def __init__(self, trainer: "Trainer", packed, pool):
+        self.inputs = [t.clone() for t in packed[:4]]  # input_ids, labels, positions, cu_seqlens
+        self.grad_scale = torch.ones((), device=trainer.device)
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.loss = trainer._forward_backward(*self.inputs, packed[4], self.grad_scale)
+
+    def run(self, packed, targets: int) -> torch.Tensor:
+        for static, t in zip(self.inputs, packed[:4]):
+            static.copy_(t, non_blocking=True)
+        self.grad_scale.fill_(1 / targets)
+        self.graph.replay()
+        return self.loss
 
 
 class Trainer:
@@ -78,9 +110,19 @@ class Trainer:
             p.requires_grad_(False)
         install(model)
         self.adapter = Adapter.init(model, lora, seed=config.seed)
-        # fused on CUDA: the update of every tensor in one kernel, not a loop of multi-tensor ones
-        self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=config.learning_rate,
-                                           weight_decay=config.weight_decay, fused=self.device.type == "cuda")
+        if not lora.full:
+            self.adapter.start_training(next(model.parameters()).dtype)
+        cuda = self.device.type == "cuda"
+        self.graphs = config.cuda_graphs and cuda and not lora.full
+        # fused on CUDA: the update of every tensor in one kernel, not a loop of multi-tensor ones; captured, its
+        # step count and learning rate live on the device
+        lr = torch.tensor(config.learning_rate, device=self.device) if self.graphs else config.learning_rate
+        self.optimizer = torch.optim.AdamW(self.adapter.parameters(), lr=lr, weight_decay=config.weight_decay,
+                                           fused=cuda, capturable=self.graphs)
+        self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        self._micro_graphs: dict[tuple, _MicroBatchGraph | None] = {}  # shape -> its graph (None: seen once)
+        self._step_graph: tuple[torch.cuda.CUDAGraph, torch.Tensor] | None = None  # and the norm it leaves
+        self._optimizer_steps = 0
         steps_per_epoch = math.ceil(len(examples) / config.batch_size)
         self.total_steps = steps_per_epoch * config.n_epochs
         if config.max_steps is not None:
@@ -117,24 +159,67 @@ class Trainer:
             total_loss, tokens = 0.0, 0
             for i in range(0, len(batch), self.config.micro_batch_size):
                 micro = batch[i:i + self.config.micro_batch_size]
-                with torch.enable_grad(), activate([(self.adapter, None)]):
-                    loss, _ = loss_sum(self.model, micro, self.device)
-                    (loss / targets).backward()
-                value = loss.item()  # the one wait of a micro-batch, for its backward too: the duty cycle times it
+                value = self._micro_batch(micro, targets).item()  # the one wait of a micro-batch: the duty cycle
                 if not math.isfinite(value):
                     raise TrainingDiverged(f"the training loss became {value} at step {self.step + 1}")
                 total_loss += value
                 tokens += sum(len(ex.token_ids) for ex in micro)
                 yield None
-            norm = torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), self.config.max_grad_norm)
-            if not torch.isfinite(norm):
-                raise TrainingDiverged(f"the gradient norm became {norm.item()} at step {self.step + 1}")
             for group in self.optimizer.param_groups:
-                group["lr"] = self._lr()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+                if self.graphs:
+                    group["lr"].fill_(self._lr())
+                else:
+                    group["lr"] = self._lr()
+            norm = self._optimizer_step()
+            if not torch.isfinite(norm):  # captured, the step is done already: the job fails all the same
+                raise TrainingDiverged(f"the gradient norm became {norm.item()} at step {self.step + 1}")
             self.step += 1
             yield StepResult(self.step, self.total_steps, total_loss / targets, tokens, time.perf_counter() - start)
+
+    def _forward_backward(self, input_ids, labels, positions, cu, max_len, grad_scale) -> torch.Tensor:
+        with torch.enable_grad(), activate([(self.adapter, None)]):
+            loss = _packed_loss(self.model, input_ids, labels, positions, cu, max_len)
+            loss.backward(grad_scale)
+        return loss.detach()
+
+    def _micro_batch(self, micro: list[Example], targets: int) -> torch.Tensor:
+        """Forward and backward of one micro-batch (its gradients added to the adapter's); its summed loss."""
+        packed = pack(micro, self.device)
+        key = (packed[0].shape[0], packed[3].shape[0], packed[4])
+        graph = self._micro_graphs.get(key)
+        if graph is None and key in self._micro_graphs:  # the second time: capture (the first run warmed it up)
+            graph = self._micro_graphs[key] = _MicroBatchGraph(self, packed, self._pool)
+        if graph is not None:
+            return graph.run(packed, targets)
+        if self.graphs and len(self._micro_graphs) < self.config.max_graphs:
+            self._micro_graphs[key] = None
+        scale = torch.tensor(1 / targets, dtype=torch.float32, device=self.device)
+        return self._forward_backward(*packed[:5], scale)
+
+    def _clip_step_zero(self) -> torch.Tensor:
+        norm = torch.nn.utils.clip_grad_norm_(self.adapter.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        if self.adapter.training is None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            torch._foreach_zero_([t.grad for t in self.adapter.parameters()])  # the buffers the backward adds to
+            self.adapter.sync_training_copies()
+        return norm
+
+    def _optimizer_step(self) -> torch.Tensor:
+        """Clipping, AdamW, zeroed gradients (captured after the first step, whose run creates AdamW's state);
+        the gradients' norm before clipping."""
+        self._optimizer_steps += 1
+        if not self.graphs or self._optimizer_steps == 1:
+            return self._clip_step_zero()
+        if self._step_graph is None:
+            graph = torch.cuda.CUDAGraph()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, pool=self._pool):
+                norm = self._clip_step_zero()
+            self._step_graph = graph, norm
+        self._step_graph[0].replay()
+        return self._step_graph[1]
 
     @torch.no_grad()
     def evaluate(self, examples: list[Example]) -> float:

@@ -41,9 +41,11 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-    """q [tokens, heads, d], k/v [tokens, heads_k, d] of the new tokens: writes k/v into the cache, then each
-    new token attends (causally) to its sequence's cached prefix and the new tokens up to itself."""
-    store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    """q [tokens, heads, d], k/v [tokens, heads_k, d] of the new tokens (None: already in the cache): writes k/v
+    into the cache, then each new token attends (causally) to its sequence's cached prefix and the new tokens up
+    to itself."""
+    if k is not None:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if use_triton(q.device):
         from kernels import flash_attn_forward, flash_attn_with_kvcache
         from kernels.decode import attend_single_rows

@@ -1,8 +1,14 @@
-"""Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary position embedding, SwiGLU MLP, and the fused projections.
 
 Their elementwise math runs eagerly as a handful of small kernels each; a decode step of a small model is bound
 by those launches, not by bytes, so on CUDA inference (no autograd) each runs as one Triton kernel of
 kernels/elementwise.py instead. Training and the CPU keep the eager path, which is also the kernels' reference.
+
+Fused projections (inference on CUDA, once `fuse` ran): projections of one input share one weight tensor (q, k and
+v; gate and up), the modules' own weights being views of its rows, so checkpoints, adapters and training still see
+the modules. Up to kernels.decode_linear.MAX_ROWS token rows (decode steps) run kernels/decode_linear.py: one
+launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA slots inside; more rows run one cuBLAS
+GEMM per fused weight, the slots' updates added by kernels/lora.py.
 """
 import math
 
@@ -10,12 +16,17 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.model.lora import add_slot_updates
+from service.model.lora import add_slot_updates, eager_adapters_active, slot_lora
 from service.model.parallel import SINGLE, TensorParallel, all_reduce
 
 
 def _use_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda and not torch.is_grad_enabled()
+
+
+def _train_kernels(x: torch.Tensor) -> bool:
+    # training on CUDA: the fused forward + backward kernels of kernels/training.py
+    return x.is_cuda and torch.is_grad_enabled()
 
 
 def rms_norm_ref(x, weight, eps: float):
@@ -33,10 +44,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if _train_kernels(x) and not self.weight.requires_grad:
+            from kernels.training import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         if _use_kernels(x):
             from kernels.elementwise import rms_norm
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
+
+    def add(self, x, residual, fused: bool = False):
+        """The residual stream's step: residual + x (x None: the stream's first value is residual alone), and its
+        norm; returns (norm, new residual). fused: one kernel, the residual updated in place; x may then be a
+        projection's partial sums (service.model.layers.fused_projection)."""
+        if x is None:
+            return self(residual), residual
+        if fused:
+            from kernels.elementwise import add_rms_norm_
+            return add_rms_norm_(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -72,13 +98,21 @@ class RotaryEmbedding(nn.Module):
         """Recompute the table after the module was materialized from the meta device."""
         self.cos_sin = self._table(device)
 
-    def forward(self, positions, q, k):
+    def forward(self, positions, q, k, store=None):
         """q/k [..., tokens, heads, head_dim] with positions [..., tokens]. Inference on CUDA rotates q and k in
-        place (they are fresh projections)."""
+        place (they are fresh projections). store (v, k_cache, v_cache, slot_mapping): also writes the rotated k
+        and v into the paged cache (kvcache.store), in the same kernel on CUDA."""
+        if _train_kernels(q) and store is None and self.head_dim & (self.head_dim - 1) == 0:
+            from kernels.training import apply_rope
+            return apply_rope(q, k, positions, self.cos_sin)
         if _use_kernels(q) and q.dim() == 3 and self.head_dim & (self.head_dim - 1) == 0:
             from kernels.elementwise import apply_rope_
-            return apply_rope_(q, k, positions, self.cos_sin)
-        return apply_rope_ref(q, k, positions, self.cos_sin)
+            return apply_rope_(q, k, positions, self.cos_sin, store=store)
+        q, k = apply_rope_ref(q, k, positions, self.cos_sin)
+        if store is not None:
+            from service.model.attention import store_kv
+            store_kv(k, *store)
+        return q, k
 
 
 def apply_rope_ref(q, k, positions, cos_sin):
@@ -106,10 +140,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        """One [2 * intermediate, hidden] weight, gate's rows then up's (the modules' weights become its views)."""
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
+
     def forward(self, x):
+        if fused_inference(self, "gate_up_weight", x):
+            hidden = fused_projection(x, self.gate_up_weight, None, (self.gate_proj, self.up_proj), silu=True)
+            # One rank: the residual add that follows sums the down projection's partial sums (kernels/elementwise.py)
+            down = fused_projection(hidden, self.down_proj.weight, None, (self.down_proj,), partials=self.tp.size == 1)
+            return all_reduce(down, self.tp)
         gate, up = self.gate_proj(x), self.up_proj(x)
         add_slot_updates(x, (self.gate_proj, gate), (self.up_proj, up))
-        if _use_kernels(gate):
+        if _train_kernels(gate):
+            from kernels.training import silu_mul as train_silu_mul
+            hidden = train_silu_mul(gate, up)
+        elif _use_kernels(gate):
             from kernels.elementwise import silu_mul
             hidden = silu_mul(gate, up)
         else:
@@ -117,3 +163,41 @@ class MLP(nn.Module):
         down = self.down_proj(hidden)
         add_slot_updates(hidden, (self.down_proj, down))  # before the all-reduce: this rank's share of the sum
         return all_reduce(down, self.tp)
+
+
+def fused_inference(module: nn.Module, weight: str, x: torch.Tensor) -> bool:
+    """Whether this forward runs the module's fused projections: inference on CUDA, once the module fused them
+    (`weight` set), unless adapters apply through the modules' forward hooks (dense ones, training)."""
+    return getattr(module, weight, None) is not None and _use_kernels(x) and not eager_adapters_active()
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' rows in order; each linear's parameters become views of it."""
+    with torch.no_grad():
+        weight = torch.cat([linear.weight for linear in linears])
+        bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
+    at = 0
+    for linear in linears:
+        rows = linear.out_features
+        linear.weight = nn.Parameter(weight[at:at + rows], requires_grad=linear.weight.requires_grad)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias[at:at + rows], requires_grad=linear.bias.requires_grad)
+        at += rows
+    return weight, bias
+
+
+def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False):
+    """Inference on CUDA: the projections `linears` of input x [rows, in], whose weights are the rows of the fused
+    `weight` (fuse_linears), with the LoRA updates of the rows' slots; silu: linears are gate and up, and the
+    result is the SwiGLU gate silu(gate) * up. partials: the result may come as float32 partial sums [splits, rows,
+    out] (kernels.decode_linear), for a consumer that adds them up (RMSNorm.add)."""
+    from kernels.decode_linear import MAX_ROWS, decode_linear
+    if x.shape[0] <= MAX_ROWS:
+        return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials)
+    y = F.linear(x, weight, bias)
+    parts = y.split([linear.out_features for linear in linears], dim=1)
+    add_slot_updates(x, *zip(linears, parts))
+    if silu:
+        from kernels.elementwise import silu_mul
+        return silu_mul(*parts)
+    return y

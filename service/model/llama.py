@@ -11,7 +11,7 @@ from torch import nn
 
 from service.model.attention import AttentionMetadata, dense_attention, paged_attention, varlen_attention
 from service.model.config import ModelConfig
-from service.model.layers import MLP, RMSNorm, RotaryEmbedding
+from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
 from service.model.lora import add_slot_updates
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
@@ -35,7 +35,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_cache = self.v_cache = None
 
+    def fuse(self) -> None:
+        """One [q + k + v, hidden] weight and bias (the modules' become its views), see service.model.layers."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+
+    def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata):
+        """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel."""
+        rows, d = x.shape[0], self.head_dim
+        qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (t.view(rows, -1, d) for t in qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                                                            self.num_kv_heads * d], dim=1))
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))
+        out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
+        return all_reduce(fused_projection(out, self.o_proj.weight, None, (self.o_proj,)), self.tp)
+
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0):
+        if meta is not None and fused_inference(self, "qkv_weight", x):
+            return self._forward_fused(x, positions, rotary, meta)
         shape = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         add_slot_updates(x, (self.q_proj, q), (self.k_proj, k), (self.v_proj, v))
@@ -65,9 +83,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size // tp.size, tp)
 
-    def forward(self, x, positions, rotary, meta, cu_seqlens=None, max_seqlen=0):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, cu_seqlens, max_seqlen)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, meta, cu_seqlens=None, max_seqlen=0):
+        """x: the previous layer's output, added to the residual stream here (None at the first layer); returns
+        this layer's output and the stream. The add and the next norm are one kernel with fused projections."""
+        fused = fused_inference(self.self_attn, "qkv_weight", residual)
+        h, residual = self.input_layernorm.add(x, residual, fused)
+        out = self.self_attn(h, positions, rotary, meta, cu_seqlens, max_seqlen)
+        h, residual = self.post_attention_layernorm.add(out, residual, fused)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -83,10 +106,10 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids, positions, meta=None, cu_seqlens=None, max_seqlen=0):
-        x = embed(self.embed_tokens.weight, input_ids, self.vocab_size, self.tp)
+        x, residual = None, embed(self.embed_tokens.weight, input_ids, self.vocab_size, self.tp)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, meta, cu_seqlens, max_seqlen)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary_emb, meta, cu_seqlens, max_seqlen)
+        return self.norm.add(x, residual, fused_inference(self.layers[0].self_attn, "qkv_weight", residual))[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -99,6 +122,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows(cfg.vocab_size, tp)[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self, on: bool = True) -> None:
+        """Inference on CUDA runs fused projections and kernels from now on (service.model.layers); off: the
+        module-by-module path again (the fused weights stay the modules' storage), to compare the two."""
+        for layer in self.model.layers:
+            if on:
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            else:
+                layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
 
     def bind_kv_cache(self, k_caches, v_caches) -> None:
         """Per-layer paged caches [num_blocks, block_size, heads_k, head_dim] the inference forward uses."""

@@ -84,6 +84,8 @@ def load_model(model_dir, dtype: torch.dtype, device, tp: TensorParallel = SINGL
         missing.discard("lm_head.weight")
     if missing:
         raise ValueError(f"checkpoint lacks {sorted(missing)[:5]} ({len(missing)} tensors)")
+    if device.type == "cuda":
+        model.fuse_projections()
     return model.eval()
 
 

@@ -63,6 +63,7 @@ class Adapter:
     def __init__(self, config: LoRAConfig, weights: dict[str, tuple[torch.Tensor, ...]], source=None):
         self.config, self.weights, self.scale = config, weights, config.scale
         self.source = source  # the file it was loaded from: tensor-parallel workers load it from there too
+        self.training: dict[str, tuple[torch.Tensor, ...]] | None = None  # start_training's copies and buffers
 
     @classmethod
     def init(cls, model: nn.Module, config: LoRAConfig, seed: int = 0) -> "Adapter":
@@ -84,6 +85,22 @@ class Adapter:
 
     def parameters(self) -> list[torch.Tensor]:
         return [t for tensors in self.weights.values() for t in tensors]
+
+    def start_training(self, dtype: torch.dtype) -> None:
+        """LoRA training in `dtype`: the forward reads copies of A and B in that dtype (sync_training_copies renews
+        them after each optimizer step, one launch for all, instead of a cast per projection and forward), and the
+        backward adds their gradients straight into float32 buffers that are the master weights' .grad, kept for
+        the whole run (zero them, never set them to None)."""
+        self.training = {}
+        for name, (a, b) in self.weights.items():
+            a.grad, b.grad = torch.zeros_like(a), torch.zeros_like(b)
+            copies = [t.detach().to(dtype).requires_grad_(True) for t in (a, b)]  # see kernels.training.lora_linear
+            self.training[name] = (*copies, a.grad, b.grad)
+
+    def sync_training_copies(self) -> None:
+        copies = [t for a, b, _, _ in self.training.values() for t in (a, b)]
+        with torch.no_grad():
+            torch._foreach_copy_(copies, self.parameters())
 
     def delta(self, name: str, x: torch.Tensor) -> torch.Tensor:
         tensors = [t.to(x.dtype) for t in self.weights[name]]
@@ -163,7 +180,11 @@ def _hook(module, inputs, output):
     for adapter, rows in active:
         if module._lora_name not in adapter.weights:
             continue
-        if rows is None:
+        if rows is None and adapter.training is not None and torch.is_grad_enabled():
+            from kernels.training import lora_linear
+            output = lora_linear(x, output.detach(), module.weight, *adapter.training[module._lora_name],
+                                 adapter.scale)
+        elif rows is None:
             output = output + adapter.delta(module._lora_name, x)
         else:
             output = output.index_add(0, rows, adapter.delta(module._lora_name, x[rows]))
@@ -358,6 +379,25 @@ def add_slot_updates(x: torch.Tensor, *projections: tuple[nn.Linear, torch.Tenso
     slots = getattr(_local, "slots", None)
     if slots is not None:
         slots.apply(x, projections)
+
+
+def slot_lora(linears) -> tuple | None:
+    """kernels.decode_linear's `lora` argument for projections of one input whose weights are fused in this order:
+    the slots this thread serves from, the step's tiles, and each projection's (columns, A offset, B offset); None
+    when the thread serves no slots."""
+    slots = getattr(_local, "slots", None)
+    if slots is None:
+        return None
+    parts = []
+    for linear in linears:
+        a_at, n_in, n_out = slots.layout[linear._lora_name]
+        parts.append((n_out, a_at, a_at + slots.rank * n_in))
+    return slots.storage, slots.scales, _local.slots_batch[0], slots.rank, parts
+
+
+def eager_adapters_active() -> bool:
+    """Whether adapters apply through the projections' forward hooks in this thread (training, eager serving)."""
+    return bool(getattr(_local, "active", None))
 
 
 @contextlib.contextmanager

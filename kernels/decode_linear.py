@@ -1,0 +1,233 @@
+"""Linear layers of decode steps (up to MAX_ROWS token rows): y = x W^T (+ bias), with the SwiGLU gate in the
+epilogue and the LoRA updates of the rows' adapter slots added, in one kernel.
+
+At a few rows a projection does almost no math: its time is streaming W from HBM once, plus the launch. Each
+program streams a BLOCK_N-row slice of W over all of K, so the launch needs no reduction kernel (cuBLAS splits K
+for the down projection and adds a reduce); what would be launches of their own rides in the same program:
+- the bias;
+- SILU_MUL: W holds gate rows [0, N) then up rows [N, 2N) (the fused gate-up weight); a program computes both
+  slices of its columns and writes silu(gate) * up;
+- LoRA: for each tile of kernels/lora.py (one adapter slot and its rows), the shrink t = x A^T over all of K
+  (recomputed by every program: A has `rank` rows and stays in L2, far cheaper than a launch) and the expand
+  t B^T of the program's columns. Up to three projections of one input share the weight (q, k and v as one fused
+  weight): the columns of projection p are [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
+
+Math in float32; the base projection and each LoRA intermediate rounded to the output dtype as the unfused layers
+round them. The reference is decode_linear_ref.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.lora import BLOCK_M as TILE_ROWS
+
+MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
+
+
+@triton.jit
+def _lora_shrink(X, stride_x, m, mine, weights, a_at, k_lo, k_hi, K, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """t = x A^T [BLOCK_M, RANK] over K range [k_lo, k_hi) and the rows in `mine` (others 0), A [RANK, K] at
+    weights + a_at."""
+    r = tl.arange(0, RANK)
+    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=mine[:, None] & (k[None, :] < k_hi), other=0.0)
+        a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=k[:, None] < k_hi, other=0.0)
+        t += tl.dot(x, a, input_precision=DOT_PRECISION)
+    return t
+
+
+@triton.jit
+def _lora_expand(t, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """t [BLOCK_M, RANK] (rounded) times this program's columns of B [N_p, RANK] at weights + b_at."""
+    r = tl.arange(0, RANK)
+    b = tl.load(weights + b_at + n_local[None, :] * RANK + r[:, None], mask=n_ok[None, :], other=0.0)
+    return tl.dot(t, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
+                          LW, stride_lw, SCALES, TILES, N0, N1, A0, A1, A2, B0, B1, B2,
+                          HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
+                          TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                          DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    n_start = tl.program_id(0) * BLOCK_N
+    n = n_start + tl.arange(0, BLOCK_N)
+    m = tl.arange(0, BLOCK_M)
+    m_ok = m < M
+    n_ok = n < N
+    r = tl.arange(0, RANK)
+    # SPLIT_K > 1: program (n, s) sums K range s and writes float32 partial sums, which the consumer adds up
+    # (kernels.elementwise.add_rms_norm_): more programs stream the weight of a tall projection (down's K of 4864
+    # over only 896 columns), with no reduction kernel.
+    k_lo = tl.program_id(1) * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
+    w_rows = W + n[:, None].to(tl.int64) * K
+
+    if NUM_TILES > 0:
+        # The projection of this program's columns (a program never straddles two: the launcher's BLOCK_N divides
+        # N0 and N1); SILU_MUL: gate is projection 0 and up projection 1, over the same columns.
+        a_at, b_at, n_local = A0, B0, n
+        if not SILU_MUL:
+            if n_start >= N0 + N1:
+                a_at, b_at, n_local = A2, B2, n - N0 - N1
+            elif n_start >= N0:
+                a_at, b_at, n_local = A1, B1, n - N0
+        # The first tile with an adapter shrinks inside the main loop (one pass over K for the weight and its A);
+        # the step's other adapters, if any, take a pass of their own after it. Tiles and slots are written by
+        # copies before the step, never by a kernel in it: read before the wait like the weights.
+        j = tl.arange(0, TILES_PADDED)
+        slots = tl.load(TILES + j * (1 + TILE_ROWS), mask=j < NUM_TILES, other=-1)
+        first = tl.min(tl.where(slots >= 0, j, TILES_PADDED), 0)
+        slot0 = tl.max(tl.where(j == first, slots, -1), 0)
+        tile_row = tl.arange(0, TILE_ROWS)
+        rows0 = tl.load(TILES + first * (1 + TILE_ROWS) + 1 + tile_row,
+                        mask=tile_row < tl.where(slot0 >= 0, TILE_ROWS, 0), other=-1)
+        mine0 = tl.sum((rows0[None, :] == m[:, None]).to(tl.int32), 1) > 0
+        lora0 = LW + tl.maximum(slot0, 0).to(tl.int64) * stride_lw
+    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+
+    # The first weight tile is read before waiting on the previous kernel (weights are never written by a step).
+    k = k_lo + tl.arange(0, BLOCK_K)
+    k_ok = k[None, :] < k_hi
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if SILU_MUL:
+        w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if k0 > k_lo:
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k[None, :] < k_hi
+            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            if SILU_MUL:
+                w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+        if NUM_TILES > 0:
+            x0 = tl.where(mine0[:, None], x, tl.zeros_like(x))
+            a_ok = k[:, None] < tl.where(slot0 >= 0, k_hi, 0)
+            a = tl.load(lora0 + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
+            t += tl.dot(x0, a, input_precision=DOT_PRECISION)
+            if SILU_MUL:
+                a = tl.load(lora0 + A1 + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
+                t_up += tl.dot(x0, a, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:
+            acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
+    dtype = X.dtype.element_ty
+    if SPLIT_K == 1:
+        acc = acc.to(dtype).to(tl.float32)
+        acc_up = acc_up.to(dtype).to(tl.float32)
+
+    if NUM_TILES > 0:
+        if slot0 >= 0:
+            scale = tl.load(SCALES + slot0)
+            acc += _lora_expand((t * scale).to(dtype), lora0, b_at, n_local, n_ok, RANK, DOT_PRECISION)
+            if SILU_MUL:
+                acc_up += _lora_expand((t_up * scale).to(dtype), lora0, B1, n_local, n_ok, RANK, DOT_PRECISION)
+        for jj in range(NUM_TILES):
+            slot = tl.max(tl.where(j == jj, slots, -1), 0)
+            if (slot >= 0) & (jj != first):
+                rows = tl.load(TILES + jj * (1 + TILE_ROWS) + 1 + tile_row)
+                mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
+                weights = LW + slot.to(tl.int64) * stride_lw
+                scale = tl.load(SCALES + slot)
+                t = _lora_shrink(X, stride_x, m, mine, weights, a_at, k_lo, k_hi, K, RANK, BLOCK_M, BLOCK_K,
+                                 DOT_PRECISION)
+                acc += _lora_expand((t * scale).to(dtype), weights, b_at, n_local, n_ok, RANK, DOT_PRECISION)
+                if SILU_MUL:
+                    t = _lora_shrink(X, stride_x, m, mine, weights, A1, k_lo, k_hi, K, RANK, BLOCK_M, BLOCK_K,
+                                     DOT_PRECISION)
+                    acc_up += _lora_expand((t * scale).to(dtype), weights, B1, n_local, n_ok, RANK, DOT_PRECISION)
+        if SILU_MUL:  # the projections' outputs are rounded before the gate, as in the unfused layer
+            acc = acc.to(dtype).to(tl.float32)
+            acc_up = acc_up.to(dtype).to(tl.float32)
+    if SILU_MUL:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    out = Y + tl.program_id(1) * M * N + m[:, None] * stride_y + n[None, :]
+    tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits), measured on the H100 for the Qwen2.5-0.5B and Llama-3.2-1B
+# shapes at 1 and 16 rows (benchmarks/step_profile.py --sections linear): few columns per program for the square
+# projections (more programs stream the weight), wide ones for gate-up (two weight tiles per step).
+def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
+    if silu_mul:
+        return (64 if n <= 6144 else 32), 128, 4, 3, 1
+    return 16, 512, 4, 3, (4 if partials and k >= 4096 else 1)
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                  lora: tuple | None = None, partials: bool = False, config=None) -> torch.Tensor:
+    """x [M <= MAX_ROWS, K] (unit column stride) -> x weight^T (+ bias) [M, N]; silu_mul: weight [2N, K] holds
+    gate then up, the result is silu(x gate^T) * (x up^T) [M, N].
+
+    lora: (slot weights [slots, size], scales [slots], tiles [num_tiles, 1 + TILE_ROWS] (kernels.lora.lora_tiles:
+    rows < M), rank, [(N_p, A offset, B offset)] per projection (up to three, their N_p summing to N; with
+    silu_mul: gate's and up's, N_p = N)) adds each tiled row's adapter update to each projection's columns.
+
+    partials (not with silu_mul): float32 partial sums [S, M, N] over S ranges of K (S = 1 where splitting does
+    not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_)."""
+    rows, k = x.shape
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if rows > MAX_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
+        raise ValueError(f"decode_linear needs x [<= {MAX_ROWS}, K] with unit column stride and a contiguous "
+                         f"weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if partials and silu_mul:
+        raise ValueError("the SwiGLU gate needs whole sums: no partials with silu_mul")
+    block_n, block_k, warps, stages, splits = config or _config(n, k, silu_mul, partials)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    if partials:
+        y = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
+    else:
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if lora is None:
+        lw, scales, tiles, rank, parts = y, y, y, 16, [(n, 0, 0)]
+    else:
+        lw, scales, tiles, rank, parts = lora
+        straddles = not silu_mul and any(p[0] % block_n for p in parts[:-1])
+        if sum(p[0] for p in parts) != n * (2 if silu_mul else 1) or straddles:
+            raise ValueError(f"LoRA projections {[p[0] for p in parts]} must tile the {n} columns by {block_n}")
+    parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
+    num_tiles = 0 if lora is None else tiles.shape[0]
+    if rows:
+        _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
+            x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
+            lw, lw.stride(0), scales, tiles, parts[0][0], parts[1][0], *(p[1] for p in parts), *(p[2] for p in parts),
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
+            TILES_PADDED=triton.next_power_of_2(max(num_tiles, 1)), TILE_ROWS=TILE_ROWS, RANK=rank, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+            **pdl_launch(x.device))
+    return y
+
+
+def decode_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                      lora: tuple | None = None, row_slots: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_linear in PyTorch, the layers' own order of roundings: the projection(s) rounded, each row's LoRA
+    update added (kernels.lora.lora_add_ref, from each row's slot in row_slots, -1: none), then the gate."""
+    from kernels.lora import lora_add_ref
+
+    y = (x.float() @ weight.float().t() + (bias.float() if bias is not None else 0)).to(x.dtype)
+    if lora is not None:
+        lw, scales, _, rank, parts = lora
+        outputs, at = [], 0
+        for cols, a_at, b_at in parts:
+            outputs.append((y[:, at:at + cols], a_at, b_at))
+            at += cols
+        lora_add_ref(x, outputs, lw, scales, row_slots, rank)
+    if silu_mul:
+        gate, up = y.float().chunk(2, dim=1)
+        y = (gate * torch.sigmoid(gate) * up).to(x.dtype)
+    return y

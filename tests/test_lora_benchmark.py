@@ -1,0 +1,32 @@
+"""benchmarks/lora.py --served: its CPU smoke end to end (a real server serving 8 PEFT adapters, streaming clients,
+the 0% / 5% / 50% phases); the decode steps' results already in lora.json stay."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PHASE_KEYS = {"adapter_share", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests",
+              "errors", "adapter_requests", "tok_per_s_x", "ttft_p50_x", "ttft_p99_x", "itl_p50_x", "itl_p99_x"}
+
+
+def test_served_lora_phases_on_the_cpu(tmp_path):
+    decode = {"device": "earlier run", "decode": [{"batch": 1, "adapters": 0, "step_ms": 1.0, "step_x": 1.0}]}
+    (tmp_path / "lora.json").write_text(json.dumps(decode))
+    argv = [sys.executable, "benchmarks/lora.py", "--served", "--device", "cpu", "--out", str(tmp_path)]
+    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert {k: result[k] for k in decode} == decode
+    served = result["served"]
+    assert (served["adapters"], served["rank"]) == (8, 16)
+    phases = served["phases"]
+    assert [p["adapter_share"] for p in phases] == [0.0, 0.05, 0.5]
+    for phase in phases:
+        assert PHASE_KEYS <= phase.keys(), phase
+        assert phase["errors"] == 0 and phase["requests"] > 0 and phase["tok_per_s"] > 0, phase
+    assert phases[0]["adapter_requests"] == 0 and phases[0]["tok_per_s_x"] == 1.0
+    # Half the requests named an adapter, and they streamed (an unknown adapter would be a 422, an error).
+    assert phases[2]["adapter_requests"] >= phases[2]["requests"] / 4 and phases[2]["named_adapter"]["itl_p50_ms"] > 0
+    assert [t["adapter_share"] for t in served["issue_targets"]] == [0.05, 0.5]
+    assert (tmp_path / "lora.png").stat().st_size > 0
