@@ -89,30 +89,42 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                         mask=tile_row < tl.where(slot0 >= 0, TILE_ROWS, 0), other=-1)
         mine0 = tl.sum((rows0[None, :] == m[:, None]).to(tl.int32), 1) > 0
         lora0 = LW + tl.maximum(slot0, 0).to(tl.int64) * stride_lw
-    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
 
-    # The first weight tile is read before waiting on the previous kernel (weights are never written by a step).
+    # The first weight tile (and A tile) is read before waiting on the previous kernel: weights and slots are
+    # never written by a step. The loop body has no branch, so Triton pipelines its loads.
     k = k_lo + tl.arange(0, BLOCK_K)
     k_ok = k[None, :] < k_hi
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
     if SILU_MUL:
         w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if NUM_TILES > 0:
+        a_ok = k[:, None] < tl.where(slot0 >= 0, k_hi, 0)
+        a = tl.load(lora0 + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
+        if SILU_MUL:
+            a_up = tl.load(lora0 + A1 + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if k0 > k_lo:
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k[None, :] < k_hi
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-            if SILU_MUL:
-                w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if SILU_MUL:
+        acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    if NUM_TILES > 0:
+        x0 = tl.where(mine0[:, None], x, tl.zeros_like(x))
+        t = tl.dot(x0, a, input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            t_up = tl.dot(x0, a_up, input_precision=DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k[None, :] < k_hi
         x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if SILU_MUL:
+            w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
         if NUM_TILES > 0:
             x0 = tl.where(mine0[:, None], x, tl.zeros_like(x))
