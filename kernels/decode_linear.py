@@ -2,8 +2,9 @@
 epilogue and the LoRA updates of the rows' adapter slots added, in one kernel.
 
 At a few rows a projection does almost no math: its time is streaming W from HBM once, plus the launch. Each
-program streams a BLOCK_N-row slice of W over all of K, so the launch needs no reduction kernel (cuBLAS splits K
-for the down projection and adds a reduce); what would be launches of their own rides in the same program:
+program streams a BLOCK_N-row slice of W over all of K, or over a range of K whose float32 partial sums the next
+kernel adds up (`partials`: cuBLAS splits the down projection's K too, but adds a reduce kernel); what would be
+launches of their own rides in the same program:
 - the bias;
 - SILU_MUL: W holds gate rows [0, N) then up rows [N, 2N) (the fused gate-up weight); a program computes both
   slices of its columns and writes silu(gate) * up;
@@ -52,21 +53,50 @@ def _lora_expand(t, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECIS
 def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                           LW, stride_lw, SCALES, TILES, N0, N1, A0, A1, A2, B0, B1, B2,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
-                          TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                          TILE_ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
     m_ok = m < M
     n_ok = n < N
-    r = tl.arange(0, RANK)
     # SPLIT_K > 1: program (n, s) sums K range s and writes float32 partial sums, which the consumer adds up
     # (kernels.elementwise.add_rms_norm_): more programs stream the weight of a tall projection (down's K of 4864
     # over only 896 columns), with no reduction kernel.
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     w_rows = W + n[:, None].to(tl.int64) * K
+    # The first weight tile is read before waiting on the previous kernel (weights are never written by a step).
+    k = k_lo + tl.arange(0, BLOCK_K)
+    k_ok = k[None, :] < k_hi
+    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if SILU_MUL:
+        w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SILU_MUL:
+        acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k[None, :] < k_hi
+        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        if tl.program_id(1) == 0:
+            acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
+    dtype = X.dtype.element_ty
+    if SPLIT_K == 1:
+        acc = acc.to(dtype).to(tl.float32)
+        acc_up = acc_up.to(dtype).to(tl.float32)
 
     if NUM_TILES > 0:
         # The projection of this program's columns (a program never straddles two: the launcher's BLOCK_N divides
@@ -77,81 +107,11 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                 a_at, b_at, n_local = A2, B2, n - N0 - N1
             elif n_start >= N0:
                 a_at, b_at, n_local = A1, B1, n - N0
-        # The first tile with an adapter shrinks inside the main loop (one pass over K for the weight and its A);
-        # the step's other adapters, if any, take a pass of their own after it. Tiles and slots are written by
-        # copies before the step, never by a kernel in it: read before the wait like the weights.
-        j = tl.arange(0, TILES_PADDED)
-        slots = tl.load(TILES + j * (1 + TILE_ROWS), mask=j < NUM_TILES, other=-1)
-        first = tl.min(tl.where(slots >= 0, j, TILES_PADDED), 0)
-        slot0 = tl.max(tl.where(j == first, slots, -1), 0)
-        tile_row = tl.arange(0, TILE_ROWS)
-        rows0 = tl.load(TILES + first * (1 + TILE_ROWS) + 1 + tile_row,
-                        mask=tile_row < tl.where(slot0 >= 0, TILE_ROWS, 0), other=-1)
-        mine0 = tl.sum((rows0[None, :] == m[:, None]).to(tl.int32), 1) > 0
-        lora0 = LW + tl.maximum(slot0, 0).to(tl.int64) * stride_lw
-
-    # The first weight tile (and A tile) is read before waiting on the previous kernel: weights and slots are
-    # never written by a step. The loop body has no branch, so Triton pipelines its loads.
-    k = k_lo + tl.arange(0, BLOCK_K)
-    k_ok = k[None, :] < k_hi
-    w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-    if SILU_MUL:
-        w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-    if NUM_TILES > 0:
-        a_ok = k[:, None] < tl.where(slot0 >= 0, k_hi, 0)
-        a = tl.load(lora0 + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
-        if SILU_MUL:
-            a_up = tl.load(lora0 + A1 + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
-    acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SILU_MUL:
-        acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    if NUM_TILES > 0:
-        x0 = tl.where(mine0[:, None], x, tl.zeros_like(x))
-        t = tl.dot(x0, a, input_precision=DOT_PRECISION)
-        if SILU_MUL:
-            t_up = tl.dot(x0, a_up, input_precision=DOT_PRECISION)
-    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k[None, :] < k_hi
-        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-        if SILU_MUL:
-            w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-            acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-        if NUM_TILES > 0:
-            x0 = tl.where(mine0[:, None], x, tl.zeros_like(x))
-            a_ok = k[:, None] < tl.where(slot0 >= 0, k_hi, 0)
-            a = tl.load(lora0 + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
-            t += tl.dot(x0, a, input_precision=DOT_PRECISION)
-            if SILU_MUL:
-                a = tl.load(lora0 + A1 + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
-                t_up += tl.dot(x0, a, input_precision=DOT_PRECISION)
-    if HAS_BIAS:
-        if tl.program_id(1) == 0:
-            acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
-    dtype = X.dtype.element_ty
-    if SPLIT_K == 1:
-        acc = acc.to(dtype).to(tl.float32)
-        acc_up = acc_up.to(dtype).to(tl.float32)
-
-    if NUM_TILES > 0:
-        if slot0 >= 0:
-            scale = tl.load(SCALES + slot0)
-            acc += _lora_expand((t * scale).to(dtype), lora0, b_at, n_local, n_ok, RANK, DOT_PRECISION)
-            if SILU_MUL:
-                acc_up += _lora_expand((t_up * scale).to(dtype), lora0, B1, n_local, n_ok, RANK, DOT_PRECISION)
-        for jj in range(NUM_TILES):
-            slot = tl.max(tl.where(j == jj, slots, -1), 0)
-            if (slot >= 0) & (jj != first):
-                rows = tl.load(TILES + jj * (1 + TILE_ROWS) + 1 + tile_row)
+        for j in range(NUM_TILES):
+            tile = TILES + j * (1 + TILE_ROWS)
+            slot = tl.load(tile)
+            if slot >= 0:
+                rows = tl.load(tile + 1 + tl.arange(0, TILE_ROWS))
                 mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
                 weights = LW + slot.to(tl.int64) * stride_lw
                 scale = tl.load(SCALES + slot)
@@ -218,8 +178,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
             x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
             lw, lw.stride(0), scales, tiles, parts[0][0], parts[1][0], *(p[1] for p in parts), *(p[2] for p in parts),
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
-            TILES_PADDED=triton.next_power_of_2(max(num_tiles, 1)), TILE_ROWS=TILE_ROWS, RANK=rank, BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles, TILE_ROWS=TILE_ROWS, RANK=rank,
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))
     return y
