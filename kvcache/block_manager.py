@@ -101,17 +101,20 @@ class BlockManager:
         self.prefix_hit_tokens += cached
         return cached
 
-    def append(self, seq_id, token_ids: list) -> list[tuple[int, int]] | None:
-        """Grows the sequence to len(token_ids) tokens: the copy-on-write block copies to do before they are written,
-        or None (and nothing changed) when there are not enough free blocks."""
+    def append(self, seq_id, token_ids: list, lookahead: int = 0) -> list[tuple[int, int]] | None:
+        """Grows the sequence to len(token_ids) tokens, with slots for `lookahead` more past them (speculative
+        decoding's draft tokens: written by the step, the sequence's only once accepted, see truncate): the
+        copy-on-write block copies to do before they are written, or None (and nothing changed) when there are not
+        enough free blocks."""
         table, old, n, bs = self.tables[seq_id], self.num_tokens[seq_id], len(token_ids), self.block_size
         if n < old:
             raise ValueError("a sequence cannot shrink")
-        first, blocks, copies = old // bs, -(-n // bs), []
+        end = n + lookahead
+        first, blocks, copies = old // bs, -(-end // bs), []
         # A decode's common case stays short: its token lands in the one block it already owns. (The scheduler
         # calls this for every decode in every step.)
         private = blocks <= len(table) and blocks - first == 1 and self.allocator.ref_counts[table[first]] == 1
-        if n > old and not private:
+        if end > old and not private:
             refs = self.allocator.ref_counts
             # Copy-on-write: positions from the old length on are about to be written; a block shared with a
             # fork (or cached) must become private first.
@@ -146,6 +149,17 @@ class BlockManager:
                 self.block_to_hash[block] = h
                 if self.events is not None:
                     self.events.append(("stored", h, parent, keys, token_ids[0]))
+
+    def truncate(self, seq_id, num_tokens: int) -> None:
+        """Gives back the blocks past the first num_tokens slots: those that only a speculative step's rejected draft
+        tokens reached (append's lookahead). They were never registered in the prefix cache: it registers only
+        blocks wholly before the last token. A table never loses the blocks of the tokens its sequence has, so to
+        anyone who saw it between steps (the runner's decode-graph tables) it only grows."""
+        table = self.tables[seq_id]
+        keep = max(self._num_blocks(num_tokens), self._num_blocks(self.num_tokens[seq_id]))
+        while len(table) > keep:
+            block = table.pop()
+            self.allocator.free(block, cached=block in self.block_to_hash)
 
     def fork(self, parent_seq_id, child_seq_id) -> None:
         if child_seq_id in self.tables:

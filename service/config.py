@@ -3,7 +3,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 ROUTE_GROUPS = ("generate", "openai", "finetune", "metrics")  # what api_key_routes may name
@@ -75,6 +75,18 @@ class Settings(BaseSettings):
                            "adapters wait for a slot; 0: adapters are served eagerly")
     max_lora_rank: int = Field(16, ge=1, le=256, description="highest LoRA rank a slot holds (memory grows with it); "
                                "adapters of higher rank, and dense ones, are served eagerly")
+    speculative_method: Literal["ngram"] | None = Field(None, description="speculative decoding: ngram proposes "
+                                                        "the tokens that followed the latest earlier occurrence of a "
+                                                        "sequence's last tokens (prompt lookup); the model verifies "
+                                                        "them in one step. Unset: off")
+    num_speculative_tokens: int = Field(3, ge=1, le=32, description="most draft tokens verified per sequence and "
+                                        "step (speculative_method)")
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix the ngram proposer looks up (vLLM's name)")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest suffix the ngram proposer looks up, tried first "
+                                   "(vLLM's name)")
+    speculative_disable_by_batch_size: int | None = Field(None, ge=1, description="steps with this many running "
+                                                          "sequences or more decode without speculation (a large "
+                                                          "batch is compute-bound). Unset: never")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "
                                    "results, kept across restarts so a warm start skips compiling and autotuning")
 
@@ -155,6 +167,13 @@ class Settings(BaseSettings):
             raise ValueError(f"api_key_routes: unknown route groups {sorted(unknown)}; "
                              f"known: {', '.join(ROUTE_GROUPS)}")
         return value
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
     @field_validator("block_size")
     @classmethod

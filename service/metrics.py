@@ -165,7 +165,7 @@ class EngineMetrics:
     which serves `model_name` from a KV cache of `num_gpu_blocks` blocks of `block_size` tokens."""
 
     def __init__(self, registry: CollectorRegistry, engine_index: int, model_name: str, block_size: int,
-                 num_gpu_blocks: int):
+                 num_gpu_blocks: int, num_speculative_tokens: int = 0):
         r = registry
         self.engine = str(engine_index)
 
@@ -226,6 +226,16 @@ class EngineMetrics:
         self.slot_loads = counter("llm_lora_slot_loads", "LoRA adapters copied into a slot on the device")
         self.slot_evictions = counter("llm_lora_slot_evictions", "Slot loads that replaced another adapter")
         self._lora_counts = (0, 0, 0)
+        # Speculative decoding (only when it is on, as vLLM): totals from the engine, counted as they grow.
+        self._spec = None
+        if num_speculative_tokens:
+            self.spec_drafts = vllm_counter("vllm:spec_decode_num_drafts", "Sequences verified with draft tokens")
+            self.spec_draft_tokens = vllm_counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified")
+            self.spec_accepted = vllm_counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted")
+            per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                              "place in the draft", VLLM_LABELS + ["position"], registry=r)
+            self.spec_per_pos = [per_pos.labels(model_name, self.engine, str(i)) for i in range(num_speculative_tokens)]
+            self._spec = (0, 0, 0, [0] * num_speculative_tokens)
 
         for g in (self.running, self.waiting, self.kv_usage, self.batch_size, self.gpu_allocated, self.gpu_reserved,
                   self.gpu_total, self.finetune_tokens_per_second, self.finetune_loss):
@@ -239,6 +249,18 @@ class EngineMetrics:
             if now > before:
                 counter.inc(now - before)
         self._lora_counts = counts
+
+    def record_spec(self, drafts: int, draft_tokens: int, accepted: int, per_position: list[int]) -> None:
+        """The engine's running speculative-decoding totals (service.engine.speculative.SpecStats)."""
+        before = self._spec
+        for counter, now, then in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
+                                      (drafts, draft_tokens, accepted), before[:3]):
+            if now > then:
+                counter.inc(now - then)
+        for counter, now, then in zip(self.spec_per_pos, per_position, before[3]):
+            if now > then:
+                counter.inc(now - then)
+        self._spec = (drafts, draft_tokens, accepted, list(per_position))
 
     def record_step(self, stats) -> None:
         """After every engine step (a service.engine.llm_engine.StepStats)."""

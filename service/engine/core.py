@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
+
 import msgspec
 import torch
 import zmq
@@ -67,7 +68,8 @@ class EngineCore:
         self.engine = LLMEngine(settings)
         e = self.engine
         self.metrics = EngineMetrics(registry or CollectorRegistry(), engine_index, e.model_name, settings.block_size,
-                                     e.kv_capacity_tokens // settings.block_size)
+                                     e.kv_capacity_tokens // settings.block_size,
+                                     settings.num_speculative_tokens if e.speculator is not None else 0)
         self.frontends: set[bytes] = set()
         for module in settings.lora_modules:  # every core serves them; one that cannot be served stops the start
             name, path = module.split("=", 1)
@@ -305,6 +307,10 @@ class EngineCore:
             self.kv_events.publish(self.engine.scheduler.block_manager.take_events())
         if stats is not None:
             self.metrics.record_step(stats)
+            if self.engine.speculator is not None:
+                spec = self.engine.speculator.stats
+                self.metrics.record_spec(spec.drafts, spec.draft_tokens, spec.accepted_tokens,
+                                         spec.accepted_per_position)
         self.metrics.record_outputs(outputs)
         self._record_load()
         self._record_gpu_memory()

@@ -8,13 +8,17 @@ is the copy of N's tokens. A request that ends in step N (EOS) has already been 
 dropped. Requests whose sampling needs the previous token on the host (the repetition, frequency and presence
 penalties, grammars) sample late: step N+1's forward pass is launched first, then N's tokens are read and the
 grammars' masks filled while it runs, then N+1 samples.
+
+Speculative decoding (`speculative_method`, service.engine.speculative) runs steps synchronously: proposals need
+every sequence's last token on the host. Before each step the proposer drafts tokens for decoding sequences; the
+step scores them, and verification appends the accepted ones and the target's next token, all reported at once.
 """
 import gc
 import itertools
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,6 +29,7 @@ from service.engine.model_runner import start_runner
 from service.engine.sampler import Sampled, Sampler, on_device
 from service.engine.scheduler import ScheduledBatch, Scheduler
 from service.engine.sequence import PENDING, Sequence, Status
+from service.engine.speculative import Speculator, make_proposer
 from service.engine.tp_workers import Workers
 from service.model import peft
 from service.model.config import ModelConfig
@@ -85,6 +90,7 @@ class _InFlight:
     sampled: Sampled | None
     seqs: list[Sequence]  # the sequences it samples, in row order
     positions: list[int]  # where each one's PENDING token sits in its token_ids
+    verified: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # speculative: each one's new tokens
 
 
 def resolve_device(device: str) -> torch.device:
@@ -143,7 +149,13 @@ class LLMEngine:
         self._versions = itertools.count(1)
         self._fingerprint: dict | None = None
         self.adapter_reads = 0  # adapter files read into memory (loads, and reloads after max_cpu_loras let go)
+        self.speculator = None
+        if s.speculative_method is not None:
+            self.speculator = Speculator(make_proposer(s.speculative_method, s.prompt_lookup_min, s.prompt_lookup_max),
+                                         s.num_speculative_tokens, s.speculative_disable_by_batch_size,
+                                         self.max_model_len)
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
+        self.overlap &= self.speculator is None  # proposals read every sequence's last token on the host
         self._in_flight: _InFlight | None = None
         # Weights' metadata, the tokenizer and compiled kernels live as long as the engine: freezing them keeps
         # the garbage collector from rescanning them in pauses between steps.
@@ -380,6 +392,8 @@ class LLMEngine:
         outputs = []
         # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
         with torch.inference_mode():
+            if self.speculator is not None:
+                self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
             launched = self._launch(batch, outputs) if batch.seqs else None
             if self._in_flight is not None:
@@ -403,6 +417,9 @@ class LLMEngine:
         pending = self._in_flight.sampled.token_ids if self._in_flight and self._in_flight.sampled else None
         try:
             logits, index, greedy = self.runner.run(batch, pending)
+            verified = []
+            if batch.drafts:  # a speculative step: the verified sequences' rows leave, the others are sampled
+                logits, index, verified = self.speculator.verify(logits, index, batch.drafts, batch.seqs)
             seqs = [batch.seqs[i] for i in index]
             if batch.forks:  # each fork samples from its parent's row: the same prompt, its own draw
                 rows = [seqs.index(parent) for _, parent in batch.forks]
@@ -426,7 +443,7 @@ class LLMEngine:
             positions.append(len(seq.token_ids))
             seq.token_ids.append(PENDING)
             seq.pending_row = row
-        return _InFlight(batch, sampled, seqs, positions)
+        return _InFlight(batch, sampled, seqs, positions, verified)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], history: bool,
                 outputs: list[RequestOutput]) -> Sampled:
@@ -469,7 +486,7 @@ class LLMEngine:
         """Reads the in-flight step's tokens, fills them in, and reports them (finishing requests that end)."""
         done, self._in_flight = self._in_flight, None
         if done.sampled is None:
-            return []
+            return self._accept_verified(done.verified)
         try:
             tokens, logprobs, tops = done.sampled.fetch()
         except Exception as e:
@@ -510,6 +527,34 @@ class LLMEngine:
             outputs.append(out)
             if reason is not None:
                 self.abort(seq.request_id)
+        if done.verified:
+            outputs += self._accept_verified(done.verified)
+        return outputs
+
+    def _accept_verified(self, verified: list[tuple[Sequence, list[int]]]) -> list[RequestOutput]:
+        """A speculative step's verified sequences: their accepted draft tokens and the target's next token join
+        token_ids and are reported in order, up to the first that ends the request (no grammar, logprobs or
+        penalties here: those sequences never speculate)."""
+        outputs, eos, max_len = [], self.eos_token_ids, self.max_model_len
+        for seq, tokens in verified:
+            if seq.status is Status.FINISHED:  # aborted meanwhile
+                continue
+            p = seq.params
+            for token in tokens:
+                seq.token_ids.append(token)
+                reason = None
+                if token in p.stop_token_ids:
+                    reason = "stop"
+                elif token in eos and not p.ignore_eos:
+                    reason = "eos_token"
+                elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_new_tokens or len(seq.token_ids) >= max_len:
+                    reason = "length"
+                outputs.append(RequestOutput(seq.request_id, token, finish_reason=reason))
+                if reason is not None:
+                    self.abort(seq.request_id)
+                    break
+            else:
+                self.scheduler.accept(seq, len(tokens) - 1)
         return outputs
 
     def _fail(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:

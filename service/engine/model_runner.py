@@ -235,10 +235,20 @@ class ModelRunner:
 
     def plan(self, batch: ScheduledBatch, pending: torch.Tensor | None) -> tuple[StepPlan, list[int]]:
         """The step's host work: which graph (or none) runs it and its packed inputs; and the indices in the batch
-        of the sequences it samples."""
+        of the sequences it samples, row by row (a speculative verify's sequence once per row: its last token's and
+        each draft token's)."""
         input_ids, seqlens_q, seqlens_k, fill_rows, from_rows, sample_rows, sample_index = [], [], [], [], [], [], []
+        drafts = batch.drafts
         for i, (seq, start, n) in enumerate(zip(batch.seqs, batch.starts, batch.num_tokens)):
             end = start + n
+            if drafts and i in drafts:  # a verify: its last token and its draft, every row sampled
+                input_ids += seq.token_ids[start:]
+                input_ids += drafts[i]
+                seqlens_q.append(n)
+                seqlens_k.append(end)
+                sample_rows += range(len(input_ids) - n, len(input_ids))
+                sample_index += [i] * n
+                continue
             input_ids += seq.token_ids[start:end]
             if input_ids[-1] == PENDING:  # only a sequence's last token can be
                 fill_rows.append(len(input_ids) - 1)

@@ -110,6 +110,35 @@ def _top_k_top_p(logits, top_k, top_p):
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
+def _warp(logits, params: list[SamplingParams], greedy: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k / top-p and min-p on float32 logits: (the logits they leave, their softmax). Greedy rows
+    keep their logits (temperature 1, no filter), so their argmax stays the token they take."""
+    device = logits.device
+    temps = on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
+    logits = logits / temps[:, None]
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = on_device([p.top_k for p in params], device)
+        top_p = on_device([p.top_p for p in params], device)
+        filtered = _top_k_top_p(logits, top_k, top_p)
+        is_greedy = on_device(greedy, device)[:, None]
+        logits = torch.where(is_greedy, logits, filtered)
+    probs = logits.softmax(-1)
+    if any(p.min_p > 0.0 for p in params):  # never drops a row's most likely token: greedy rows keep theirs
+        min_p = on_device([p.min_p for p in params], device)[:, None]
+        logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        probs = logits.softmax(-1)
+    return logits, probs
+
+
+def target_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution Sampler.__call__ draws a sampled row's token from (no penalties, bans or grammar: rows
+    with those are never verified speculatively): logit bias, temperature, top-k / top-p, min-p, softmax."""
+    logits = logits.to(torch.float32, copy=True)  # the bias is added in place
+    if any(p.logit_bias for p in params):
+        _add_at(logits, [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias.items()])
+    return _warp(logits, params, [p.greedy for p in params])[1]
+
+
 def _to_host(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
     if not tensors[0].is_cuda:
         return tensors, None
@@ -175,19 +204,7 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(-1)
         else:
-            temps = on_device([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
-            logits = logits / temps[:, None]
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-                top_k = on_device([p.top_k for p in params], device)
-                top_p = on_device([p.top_p for p in params], device)
-                filtered = _top_k_top_p(logits, top_k, top_p)
-                is_greedy = on_device(greedy, device)[:, None]
-                logits = torch.where(is_greedy, logits, filtered)
-            probs = logits.softmax(-1)
-            if any(p.min_p > 0.0 for p in params):  # never drops a row's most likely token: greedy rows keep theirs
-                min_p = on_device([p.min_p for p in params], device)[:, None]
-                logits = logits.masked_fill(probs < min_p * probs.max(-1, keepdim=True).values, float("-inf"))
-                probs = logits.softmax(-1)
+            logits, probs = _warp(logits, params, greedy)
             # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, batched.
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(generators):

@@ -29,6 +29,10 @@ With overlapped scheduling, step N+1 is scheduled while step N runs: a sequence 
 that token (still PENDING on the GPU), so it decodes again in N+1, unless that token is its last (length limit).
 Freeing blocks while a step that uses them is in flight is safe: any later use is by a later step, which the GPU
 runs after it.
+
+Speculative decoding: a decoding sequence with draft tokens (Sequence.draft) is scheduled as its last token and
+the draft after it (ScheduledBatch.drafts), in KV slots reserved past the sequence while free blocks and the budget
+last; `accept` then counts the verified tokens as computed and gives back the blocks only rejected ones reached.
 """
 import bisect
 import time
@@ -49,6 +53,8 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write block copies to do first
     forks: list[tuple[Sequence, Sequence]] = field(default_factory=list)  # (child, parent): child samples from the
     # logits of its parent's last prompt token in this step
+    drafts: dict[int, list[int]] = field(default_factory=dict)  # index in seqs -> the draft tokens its step scores
+    # after its last token (speculative decoding: they are not the sequence's until verified)
     num_preemptions: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
@@ -61,6 +67,17 @@ class ScheduledBatch:
         self.is_prefill.append(n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens)
         self.block_tables.append(table)
         seq.num_computed_tokens += n
+
+    def add_verify(self, seq: Sequence, draft: list[int], table: list[int]) -> None:
+        """Schedules seq's last token and its draft tokens after it: only the last token counts as computed until
+        verification accepts drafts (Scheduler.accept)."""
+        self.drafts[len(self.seqs)] = draft
+        self.seqs.append(seq)
+        self.starts.append(seq.num_computed_tokens)
+        self.num_tokens.append(1 + len(draft))
+        self.is_prefill.append(False)
+        self.block_tables.append(table)
+        seq.num_computed_tokens += 1
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -240,8 +257,14 @@ class Scheduler:
             if seq.status is not running_status or length >= seq.token_limit or length >= max_len:
                 continue
             # A decode's new token (sampled last step) needs its slot: grow the table, preempting if needed.
+            draft = None
             if length > sizes[seq.request_id]:
-                copies = bm.append(seq.request_id, seq.cache_keys)
+                # Speculative draft tokens get slots only while blocks and the budget last: they never preempt.
+                draft = seq.draft[:budget - 1] if seq.draft else None
+                copies = bm.append(seq.request_id, seq.cache_keys, len(draft)) if draft else None
+                if copies is None:
+                    draft = None
+                    copies = bm.append(seq.request_id, seq.cache_keys)
                 while copies is None:  # out of blocks: preempt the newest (lowest-priority) sequences, this one last
                     victim = self.running[-1]
                     self._preempt(victim)
@@ -260,6 +283,10 @@ class Scheduler:
                 n = min(n, prompt_room(later=len(running) - i - 1))
                 if n < 1:
                     continue
+            if draft:
+                batch.add_verify(seq, draft, tables[seq.request_id])
+                budget -= 1 + len(draft)
+                continue
             batch.add(seq, n, tables[seq.request_id])
             budget -= n
         admit = not (decodes and self.waiting and self.hold_steps and self._hold(prompt_room()))
@@ -301,6 +328,13 @@ class Scheduler:
         batch.prefix_queried_tokens = bm.prefix_queried_tokens - queried
         batch.prefix_hit_tokens = bm.prefix_hit_tokens - hits
         return batch
+
+    def accept(self, seq: Sequence, num_accepted: int) -> None:
+        """After a verify step, once seq's new tokens are in token_ids: its accepted draft tokens' KV counts as
+        computed, and the blocks that only rejected ones reached are given back (their slots past the sequence are
+        overwritten as it grows)."""
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.truncate(seq.request_id, len(seq.token_ids))
 
     def _fork(self, parent: Sequence, batch: ScheduledBatch) -> None:
         """The completions waiting on parent take its blocks (shared until one writes: copy-on-write) and run."""

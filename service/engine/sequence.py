@@ -41,6 +41,9 @@ class Sequence:
     # scheduler then forks them (they share its blocks, copy-on-write) in the step that samples its first token.
     forks: list["Sequence"] = field(default_factory=list)
     fork_of: "Sequence | None" = None  # while waiting in fork_of.forks
+    # Speculative decoding: tokens proposed to follow token_ids, set before each step is scheduled. The step scores
+    # them beside the last token; they join token_ids only as far as verification accepts them.
+    draft: list[int] = field(default_factory=list)
 
     # Plain attributes, not properties: the scheduler reads them for every running sequence in every step.
     num_prompt_tokens: int = field(init=False)

@@ -1,0 +1,232 @@
+"""Speculative decoding: proposers guess a sequence's next tokens, the target model scores the guesses and the
+token after them in one step (k + 1 query rows over the cached context, through the varlen prefill path and its
+CUDA graphs), and verification keeps the longest prefix the target agrees with, plus one token of its own.
+
+Exactness. A greedy sequence accepts a draft token while it equals the target's argmax, then takes the argmax at
+the first mismatch (or after the last draft): the tokens it would have produced one step at a time. A sampled
+sequence uses rejection sampling. An n-gram draft is a point mass q = 1 on its token d, so d is accepted with
+probability min(1, p(d) / q) = p(d) (p: the target's distribution after logit bias, temperature, top-k/top-p and
+min-p, as the sampler computes it); on rejection the token is drawn from the residual max(0, p - q), normalized:
+p without d. Each output token then follows p exactly. Draws use the sequence's own generator when it has a seed
+(the same drafts give the same tokens), the global one otherwise.
+
+What falls back to plain decoding (no proposal for the sequence): penalties and grammars (they need each token
+on the host before the next is scored), logprobs and top logprobs, and min_tokens until it is reached. The step
+also proposes nothing when `speculative_disable_by_batch_size` sequences or more run (a large batch is bound by
+compute, where scoring guesses costs more than it saves).
+
+Rollback: the scheduler reserves KV slots for the drafts (BlockManager.append's lookahead) without making them
+part of the sequence; after verification `Scheduler.accept` counts the accepted tokens as computed and gives back
+the blocks that only rejected tokens reached. A rejected token's slot is overwritten by the next step, and the
+prefix cache registers only blocks wholly before a sequence's last accepted token, so it never holds a rejected
+token's K/V.
+
+Other proposers (a draft model with its own paged KV cache and CUDA graphs, EAGLE-style heads that read the
+target's hidden states) implement `Proposer`; `make_proposer` picks one from the settings.
+"""
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from service.engine.sampler import target_probs
+from service.engine.sequence import Sequence
+from service.protocol import SamplingParams
+
+
+class Proposer(Protocol):
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Up to limits[i] draft tokens to follow seqs[i]'s tokens (all known on the host), per sequence."""
+
+
+class NgramProposer:
+    """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens (n from `max_n` down to
+    `min_n`, the longest match first) in its prompt and output, and proposes the tokens that followed it."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        return [self.lookup(seq.token_ids, k) for seq, k in zip(seqs, limits)]
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        length = len(tokens)
+        if k < 1 or length <= self.min_n:
+            return []
+        ids = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            # Windows that start before the suffix itself; a match at i proposes tokens i + n onwards.
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:length - 1], n)
+            hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start:start + k]
+        return []
+
+
+def make_proposer(method: str, min_n: int, max_n: int) -> Proposer:
+    if method == "ngram":
+        return NgramProposer(min_n, max_n)
+    raise ValueError(f"unknown speculative method {method!r}")
+
+
+def can_speculate(seq: Sequence) -> bool:
+    """Whether verification can reproduce the sampler's distribution for this sequence (see the module's doc)."""
+    p: SamplingParams = seq.params
+    return (not p.needs_history and not p.logprobs and not p.top_logprobs
+            and len(seq.token_ids) - seq.num_prompt_tokens >= p.min_tokens)
+
+
+@dataclass
+class SpecStats:
+    """Running totals, as vLLM counts them: drafts (sequences verified with at least one draft token), draft
+    tokens, accepted draft tokens, and accepted ones by their place in the draft."""
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+
+class Speculator:
+    """The engine's side of speculation: proposals before a step is scheduled, verification after it ran."""
+
+    def __init__(self, proposer: Proposer, num_tokens: int, disable_by_batch_size: int | None, max_model_len: int):
+        self.proposer, self.k = proposer, num_tokens
+        self.disable_by_batch_size = disable_by_batch_size
+        self.max_model_len = max_model_len
+        self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets seq.draft for every running sequence: draft tokens for those that decode next step, else none. A
+        draft leaves room for the token the target adds after it, within max_new_tokens and the context."""
+        for seq in running:
+            seq.draft = []
+        if self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size:
+            return
+        eligible, limits = [], []
+        for seq in running:
+            length = len(seq.token_ids)
+            if seq.num_computed_tokens == length - 1 and length > seq.num_prompt_tokens and can_speculate(seq):
+                room = min(seq.token_limit, self.max_model_len) - length - 1
+                if room > 0:
+                    eligible.append(seq)
+                    limits.append(min(self.k, room))
+        for seq, draft in zip(eligible, self.proposer.propose(eligible, limits)):
+            seq.draft = draft
+
+    def verify(self, logits: torch.Tensor, index: list[int], drafts: dict[int, list[int]], seqs: list[Sequence]
+               ) -> tuple[torch.Tensor, list[int], list[tuple[Sequence, list[int]]]]:
+        """Splits a step's logits (rows in `index` order, a verified sequence's len(draft) + 1 rows in a row) into
+        the plain rows, for the sampler, and the verified sequences' tokens: (plain logits, their batch indices,
+        [(sequence, its new tokens: the accepted drafts and the target's next one)])."""
+        plain = [row for row, i in enumerate(index) if i not in drafts]
+        order = list(dict.fromkeys(i for i in index if i in drafts))  # verified batch indices, in row order
+        rows = [row for row, i in enumerate(index) if i in drafts]
+        verified_logits = logits[_index(rows, logits.device)]
+        params = [seqs[i].params for i in order]
+        draft_lists = [drafts[i] for i in order]
+        tokens = verify_rows(verified_logits, draft_lists, params, [seqs[i].generator for i in order])
+        self._count(draft_lists, tokens)
+        kept = logits[_index(plain, logits.device)] if len(plain) < len(index) else logits
+        return kept, [index[row] for row in plain], [(seqs[i], t) for i, t in zip(order, tokens)]
+
+    def _count(self, drafts: list[list[int]], tokens: list[list[int]]) -> None:
+        s = self.stats
+        for draft, out in zip(drafts, tokens):
+            accepted = len(out) - 1
+            s.drafts += 1
+            s.draft_tokens += len(draft)
+            s.accepted_tokens += accepted
+            for position in range(accepted):
+                s.accepted_per_position[position] += 1
+
+
+def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
+                generators: list[torch.Generator | None]) -> list[list[int]]:
+    """Each sequence's new tokens from its len(draft) + 1 consecutive rows of logits: greedy ones by exact match,
+    sampled ones by rejection sampling (accept_sampled)."""
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1].tolist()
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    out: list[list[int]] = [[] for _ in drafts]
+    if greedy:
+        rows = [r for i in greedy for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        row_params = [params[i] for i in greedy for _ in range(len(drafts[i]) + 1)]
+        targets = _biased(logits[_index(rows, logits.device)], row_params).argmax(-1).tolist()
+        at = 0
+        for i in greedy:
+            out[i] = accept_greedy(drafts[i], targets[at:at + len(drafts[i]) + 1])
+            at += len(drafts[i]) + 1
+    if sampled:
+        rows = [r for i in sampled for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        row_params = [params[i] for i in sampled for _ in range(len(drafts[i]) + 1)]
+        probs = target_probs(logits[_index(rows, logits.device)], row_params)
+        for i, tokens in zip(sampled, accept_sampled(probs, [drafts[i] for i in sampled],
+                                                     [generators[i] for i in sampled])):
+            out[i] = tokens
+    return out
+
+
+def _index(values, device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits a greedy row takes its argmax of: with its logit bias (the sampler's order: bias, then argmax)."""
+    if not any(p.logit_bias for p in params):
+        return logits
+    logits = logits.float()
+    for row, p in enumerate(params):
+        for token, bias in p.logit_bias.items():
+            logits[row, token] += bias
+    return logits
+
+
+def accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
+    """The drafts up to the first that differs from the target's argmax at its place, then the target's token
+    there (or after the last draft)."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == targets[accepted]:
+        accepted += 1
+    return draft[:accepted] + [targets[accepted]]
+
+
+def accept_sampled(probs: torch.Tensor, drafts: list[list[int]], generators: list[torch.Generator | None]
+                   ) -> list[list[int]]:
+    """Rejection sampling of point-mass drafts. probs: [sum(len(d) + 1), vocab], the target's distribution at each
+    sequence's rows. Draft token j of a sequence is accepted with probability p_j(d_j), while all before it were;
+    the first rejected place takes a token from p_j without d_j (renormalized), and a sequence whose drafts were
+    all accepted takes one from its last row's p."""
+    device = probs.device
+    lengths = [len(d) for d in drafts]
+    starts = np.cumsum([0] + [n + 1 for n in lengths])[:-1]
+    draft_rows = _index([s + j for s, n in zip(starts, lengths) for j in range(n)], device)
+    draft_ids = _index([t for d in drafts for t in d], device)
+    p_draft = probs[draft_rows, draft_ids]
+    uniforms = torch.rand(len(draft_ids), device=device)
+    at = 0
+    for n, g in zip(lengths, generators):  # seeded sequences draw from their own generator
+        if g is not None:
+            uniforms[at:at + n] = torch.rand(n, device=device, generator=g)
+        at += n
+    accepted = (uniforms < p_draft).tolist()
+    counts, at = [], 0
+    for n in lengths:
+        a = 0
+        while a < n and accepted[at + a]:
+            a += 1
+        counts.append(a)
+        at += n
+    final = probs[_index([int(s) + a for s, a in zip(starts, counts)], device)].clone()
+    rejected = [(i, drafts[i][a]) for i, (a, n) in enumerate(zip(counts, lengths)) if a < n]
+    if rejected:
+        rows, ids = zip(*rejected)
+        final[_index(rows, device), _index(ids, device)] = 0.0
+    # Exponential race (argmax of p / E, E ~ Exp(1)) draws from p unnormalized: the residual needs no division.
+    noise = torch.empty_like(final).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    tokens = (final / noise).argmax(-1).tolist()
+    return [d[:a] + [t] for d, a, t in zip(drafts, counts, tokens)]

@@ -1,0 +1,24 @@
+"""benchmarks/spec.py on the CPU, shortened: verify-step cost against a decode step, tokens/s at forced acceptance
+rates and the n-gram proposer on copy-heavy and free prompts; the run must pass and its JSON carry the rows (the
+host side of the GPU benchmark cannot rot unseen)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
+    done = subprocess.run([sys.executable, "benchmarks/spec.py", "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "spec.json").read_text())
+    assert [r["batch"] for r in result["verify_cost"]] == [1, 2]
+    assert all(r[f"k{k}_ms"] > 0 for r in result["verify_cost"] for k in (0, 2, 4))
+    (forced,) = result["forced_acceptance"]
+    assert forced["alpha0.0"]["acceptance"] == 0 and forced["alpha1.0"]["acceptance"] == 1
+    assert forced["alpha0.0"]["identical_to_plain"] and forced["alpha1.0"]["identical_to_plain"]
+    workloads = {r["workload"]: r for r in result["copy_heavy_vs_free"]}
+    assert list(workloads) == ["copy_heavy", "free"] and all(r["identical_to_plain"] for r in workloads.values())
+    assert workloads["copy_heavy"]["acceptance"] > 0

@@ -1,0 +1,227 @@
+"""Speculative decoding (n-gram proposals, service/engine/speculative.py) on the embedded model, CPU: greedy outputs
+are the tokens plain decoding makes, through prefix-cache hits, chunked prefill, preemption and two tensor-parallel
+ranks; rejected drafts leave no trace in the KV bookkeeping or the prefix cache; rejection sampling draws from the
+target's distribution (a test that fails if the rejection step is skipped); what falls back to plain decoding."""
+import gzip
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+from tiny_models import make_tiny_model
+
+from kvcache import BlockManager
+from service.config import DEFAULT_MODEL_DIR
+from service.engine.llm import LLM
+from service.engine.speculative import NgramProposer, accept_greedy, accept_sampled
+from service.metrics import EngineMetrics
+from service.protocol import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    """Copy-heavy prompts (a fortune twice, then its beginning), so that drafts are found and often accepted; every
+    other one after a shared header of two full KV blocks, for prefix-cache hits."""
+    texts = gzip.decompress((DEFAULT_MODEL_DIR / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
+    fortunes = [t for t in texts[100:400] if 60 < len(t) < 140][:8]
+    header = texts[50][:200] + "\n%\n"
+    return [(header if i % 2 else "") + f + "\n%\n" + f + "\n%\n" + f[:20] for i, f in enumerate(fortunes)]
+
+
+def make_llm(**settings) -> LLM:
+    return LLM(None, device="cpu", dtype="float32", **settings)
+
+
+def assert_no_leaks(llm):
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_work and not llm.engine.requests
+
+
+@pytest.fixture(scope="module")
+def plain(prompts) -> list[list[int]]:
+    llm = make_llm(enable_prefix_caching=False)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("settings", [
+    dict(max_num_batched_tokens=512),  # several prompts a step: prefix-cache hits on the shared header
+    dict(num_kv_blocks=24),  # a tiny cache: preemption and recomputation
+    dict(max_num_batched_tokens=32),  # chunked prefill, drafts cut to what the budget leaves
+    dict(num_kv_blocks=40, max_num_batched_tokens=48, max_num_seqs=5),
+], ids=["batched", "preempting", "chunked", "all-tight"])
+def test_greedy_outputs_are_those_of_plain_decoding(prompts, plain, settings):
+    llm = make_llm(**SPEC, **settings)
+    stats, step = [], llm.engine.step
+
+    def counting_step():
+        outputs, s = step()
+        stats.append((s, outputs))
+        return outputs, s
+
+    llm.engine.step = counting_step
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    spec = llm.engine.speculator.stats
+    assert spec.drafts and 0 < spec.accepted_tokens <= spec.draft_tokens
+    assert sum(spec.accepted_per_position) == spec.accepted_tokens
+    # Streaming: a step reports a request's accepted tokens and the target's next one together.
+    assert any(len({o.request_id for o in outputs}) < len(outputs) for _, outputs in stats)
+    if "num_kv_blocks" in settings and settings["num_kv_blocks"] < 30:
+        assert sum(s.num_preemptions for s, _ in stats if s)
+    else:
+        assert sum(s.prefix_hit_tokens for s, _ in stats if s)
+    assert_no_leaks(llm)
+
+
+def test_the_prefix_cache_holds_no_rejected_tokens(prompts, plain):
+    """Blocks written by verify steps (accepted tokens beside rejected ones) and registered in the prefix cache
+    serve later prompts: a continuation from them is the one a fresh engine computes."""
+    llm = make_llm(**SPEC)
+    first = llm.generate(prompts, GREEDY)
+    again = [llm.tokenizer.encode(p) + o.token_ids for p, o in zip(prompts, first)]
+    hits = llm.engine.scheduler.block_manager.prefix_hit_tokens
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    cached = llm.generate(again, params)
+    assert llm.engine.scheduler.block_manager.prefix_hit_tokens - hits >= 16 * len(again)
+    fresh = make_llm(enable_prefix_caching=False).generate(again, params)
+    assert [o.token_ids for o in cached] == [o.token_ids for o in fresh]
+    assert_no_leaks(llm)
+
+
+def test_two_ranks_verify_the_tokens_one_rank_makes(tmp_path):
+    """TP 2 (gloo, one worker process) on a tiny random Llama (the embedded model's 5 heads do not split): verify
+    steps are planned on rank 0 and run on both."""
+    model = make_tiny_model("llama", tmp_path)
+    prompts = [[5 + (7 * i + j) % 40 for j in range(24)] * 2 + [5 + 7 * i] for i in range(4)]
+
+    def generate(**settings):
+        llm = LLM(str(model), device="cpu", dtype="float32", max_num_batched_tokens=64, **settings)
+        try:
+            return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm.engine.speculator
+        finally:
+            llm.engine.close()
+
+    tokens, speculator = generate(**SPEC, tensor_parallel_size=2)
+    assert tokens == generate()[0] and speculator.stats.accepted_tokens
+
+
+def test_block_manager_reserves_draft_slots_and_gives_back_rejected_blocks():
+    bm = BlockManager(16, 4)
+    tokens = list(range(10, 17))  # 7 tokens: 2 blocks
+    bm.allocate("s", tokens)
+    tokens.append(17)  # a decode's new token, with 5 draft slots after it: positions 7..12, 4 blocks
+    assert bm.append("s", tokens, lookahead=5) == [] and len(bm.tables["s"]) == 4
+    assert bm.num_tokens["s"] == 8 and len(bm.hashes["s"]) == 1  # drafts are not the sequence's: not published
+    tokens += [18, 19]  # one draft accepted, then the target's token: 10 tokens, 3 blocks
+    bm.truncate("s", len(tokens))
+    assert len(bm.tables["s"]) == 3 and bm.num_free_blocks == 13
+    bm.append("s", tokens)
+    assert len(bm.hashes["s"]) == 2  # the block of tokens 4..7, all accepted, wholly before the last one
+    # A sequence that shares its last block (a fork) copies it before its drafts' slots are written.
+    bm.fork("s", "t")
+    assert bm.append("t", tokens + [20], lookahead=3) == [(bm.tables["s"][2], bm.tables["t"][2])]
+    bm.free("s")
+    bm.free("t")
+    assert bm.num_free_blocks == 16
+
+
+def test_ngram_lookup_prefers_long_recent_matches():
+    proposer = NgramProposer(1, 3)
+    assert proposer.lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # latest of two 3-gram matches
+    assert proposer.lookup([4, 2, 3, 8, 6, 5, 2, 3], 3) == [8, 6, 5]  # the 2-gram (2, 3)
+    assert proposer.lookup([4, 2, 3, 8, 6, 5, 7, 3], 4) == [8, 6, 5, 7]  # the 1-gram (3)
+    assert proposer.lookup([1, 2, 3, 4], 3) == [] and proposer.lookup([5, 5], 0) == []
+    assert NgramProposer(2, 3).lookup([4, 2, 3, 8, 6, 5, 7, 3], 4) == []
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9] and accept_greedy([5], [5, 8]) == [5, 8]
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+def test_rejection_sampling_draws_from_the_target_distribution():
+    """20,000 sequences, each with the draft [d1, d2] over three rows of fixed target distributions: the first new
+    token follows p0, the second (after d1 was accepted) p1, the third (after both) p2. Skipping the rejection
+    (accepting every draft) would make d1 certain: the first test's statistic is checked to catch that."""
+    p = torch.tensor([[0.1, 0.3, 0.05, 0.25, 0.2, 0.1],
+                      [0.4, 0.1, 0.1, 0.1, 0.2, 0.1],
+                      [0.05, 0.05, 0.3, 0.3, 0.2, 0.1]])
+    n, d1, d2 = 20000, 1, 4
+    tokens = accept_sampled(p.repeat(n, 1), [[d1, d2]] * n, [None] * n)
+    vocab = p.shape[1]
+    first = torch.bincount(torch.tensor([t[0] for t in tokens]), minlength=vocab).float()
+    second = torch.bincount(torch.tensor([t[1] for t in tokens if t[0] == d1]), minlength=vocab).float()
+    third = torch.bincount(torch.tensor([t[2] for t in tokens if t[:2] == [d1, d2]]), minlength=vocab).float()
+    critical = 20.5  # chi-square, 5 degrees of freedom, p = 0.001
+    assert _chi_square(first, p[0]) < critical
+    assert _chi_square(second, p[1]) < critical
+    assert _chi_square(third, p[2]) < critical
+    assert all(len(t) == 3 or t[-1] != [d1, d2][len(t) - 1] for t in tokens)  # a rejected draft is never redrawn
+    always_accepted = torch.zeros(vocab)
+    always_accepted[d1] = n
+    assert _chi_square(always_accepted, p[0]) > 1000 * critical
+
+
+def test_seeded_sampling_is_reproducible_and_fallbacks_do_not_speculate(prompts):
+    llm = make_llm(**SPEC)
+    sampled = SamplingParams(max_new_tokens=24, temperature=0.8, top_k=20, top_p=0.9, min_p=0.02, seed=7,
+                             logit_bias={16: 2.0}, ignore_eos=True, n=2)
+    first, again = (llm.generate(prompts[:2], sampled) for _ in range(2))
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert first[0].token_ids != first[1].token_ids  # each completion draws with its own seed
+    spec = llm.engine.speculator.stats
+    assert spec.drafts
+    drafts = spec.drafts
+    for params in (SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=True),
+                   SamplingParams(max_new_tokens=16, temperature=0.0, repetition_penalty=1.2),
+                   SamplingParams(max_new_tokens=16, temperature=0.0, min_tokens=16, ignore_eos=True)):
+        llm.generate(prompts[:2], params)
+        assert spec.drafts == drafts
+    busy = make_llm(**SPEC, speculative_disable_by_batch_size=2)
+    busy.generate(prompts[:2], GREEDY)
+    assert busy.engine.speculator.stats.drafts == 0
+    assert_no_leaks(llm)
+
+
+def test_vllm_speculative_series():
+    registry = CollectorRegistry()
+    metrics = EngineMetrics(registry, 0, "m", 16, 100, num_speculative_tokens=3)
+    metrics.record_spec(4, 10, 6, [4, 2, 0])
+    metrics.record_spec(5, 13, 8, [5, 3, 0])
+    text = generate_latest(registry).decode()
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 13.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 8.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0' in text
+    assert "spec_decode" not in generate_latest(_plain_registry()).decode()
+
+
+def _plain_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    EngineMetrics(registry, 0, "m", 16, 100)
+    return registry
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_greedy_outputs_on_the_gpu(prompts, graphs):
+    """On CUDA, float32: verify steps through our prefill kernel (replayed from the prefill graphs when `graphs`)
+    give the tokens that decode steps through the decode kernel give."""
+    outs = {}
+    for method in (None, "ngram"):
+        llm = LLM(None, device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
+                  **(SPEC if method else {}))
+        runner, replays = llm.engine.runner, []
+        replay = runner._replay_prefill
+        runner._replay_prefill = lambda key, *args: replays.append(key) or replay(key, *args)
+        outs[method] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        if method:
+            assert llm.engine.speculator.stats.accepted_tokens and bool(replays) == graphs
+        assert_no_leaks(llm)
+        del llm, runner
+        torch.cuda.empty_cache()
+    assert outs["ngram"] == outs[None]
