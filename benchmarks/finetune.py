@@ -409,12 +409,14 @@ async def bench_serving(model_dir: Path, finetune_dir: Path, device: str, s: dic
     return rows, gap_samples
 
 
-def plot(train_rows, serve_rows, gap_samples, s, path):
+def plot(train_rows, gap_samples, s, path):
+    """Training tokens/s per shape and side; beside it, with gap samples (the serving part), their CDFs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 2 if gap_samples else 1, figsize=(13 if gap_samples else 7, 4.5), squeeze=False)
+    a = axes[0][0]
     labels = [f"{r['micro_batch']}x{r['seq_len']}" for r in train_rows]
     names = [k for k in train_rows[0] if isinstance(train_rows[0][k], dict)]
     width = 0.8 / len(names)
@@ -428,12 +430,14 @@ def plot(train_rows, serve_rows, gap_samples, s, path):
     a.set(xlabel="micro-batch (sequences x tokens)", ylabel="k tokens/s",
           title=f"LoRA r={LORA.rank} training, Qwen2.5-0.5B shape (label: peak memory)")
     a.legend()
-    for label, gaps in gap_samples.items():
-        t = torch.tensor(sorted(gaps)) * 1000
-        b.plot(t, torch.linspace(0, 1, len(t)), label=label)
-    b.set(xscale="log", xlabel="inter-token latency (ms)", ylabel="CDF",
-          title=f"{s['streams']} decode streams, with and without a training job")
-    b.legend()
+    if gap_samples:
+        b = axes[0][1]
+        for label, gaps in gap_samples.items():
+            t = torch.tensor(sorted(gaps)) * 1000
+            b.plot(t, torch.linspace(0, 1, len(t)), label=label)
+        b.set(xscale="log", xlabel="inter-token latency (ms)", ylabel="CDF",
+              title=f"{s['streams']} decode streams, with and without a training job")
+        b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -518,6 +522,7 @@ def main():
         save(training=bench_training(model_dir, args, s))
         if args.profile:
             save(profile=profile_training(model_dir, args, s, result["training"]))
+        gaps = {}
         if not args.no_serving:
             serve_rows, gaps = asyncio.run(bench_serving(model_dir, Path(tmp) / "finetune", args.device, s))
             save(serving=serve_rows)
@@ -526,8 +531,8 @@ def main():
             for r in serve_rows:
                 print(f"{r['condition']:<22} {r['p50_ms']:>7.2f} {r['p90_ms']:>7.2f} {r['p99_ms']:>7.2f} "
                       f"{r['decode_tokens_per_s']:>12.0f} {r.get('training_tokens_per_s', 0):>11.0f}")
-            if args.device == "cuda":
-                plot(result["training"], serve_rows, gaps, s, out / "finetune.png")
+        if args.device == "cuda":
+            plot(result["training"], gaps, s, out / "finetune.png")
     print(f"wrote {out / 'finetune.json'} ({result['elapsed_s']:.0f} s)")
 
 

@@ -32,6 +32,7 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -64,6 +65,8 @@ def main():
     if "graphs" in sections:
         result["graphs"] = {name: decode_graphs(config) for name, config in SHAPES.items()}
         print_graphs(result["graphs"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        plot_graphs(result["graphs"], args.out / "step_profile.png")
     if sections & {"prefill", "decode"}:
         result |= prefill_and_decode(args.tokens)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -202,10 +205,10 @@ def decode_graphs(config: dict) -> dict:
                 model.model.layers = layers[:1]
                 one_layer, _ = count_kernels(forward)
                 model.model.layers = layers
-            cells[batch] = {"graph_ms": replay_ms(runner.graphs[batch]), "kernels": kernels,
-                            "kernels_per_layer": (kernels - one_layer) / (len(layers) - 1)}
+            cells[str(batch)] = {"graph_ms": replay_ms(runner.graphs[batch]), "kernels": kernels,
+                                 "kernels_per_layer": (kernels - one_layer) / (len(layers) - 1)}
             if batch == 1:  # where a batch-1 step's GPU time goes (eager kernel times: launches not included)
-                cells[batch]["kernel_us"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
+                cells["1"]["kernel_us"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
         out["paths"][name] = cells
     configs.PDL = pdl
     del llm, runner, model
@@ -218,10 +221,21 @@ def print_graphs(graphs: dict) -> None:
     for name, g in graphs.items():
         for batch in GRAPH_BATCHES:
             for path, cells in g["paths"].items():
-                c = cells[batch]
+                c = cells[str(batch)]
                 print(f"{name:>14} {batch:>6} {path:>13} {c['graph_ms']:9.3f} {c['kernels']:8d} "
                       f"{c['kernels_per_layer']:7.1f} {g['floor_ms']:9.3f}")
-        print(f"{name} batch 1, fused, GPU us per kernel name:", json.dumps(g["paths"]["fused"][1]["kernel_us"]))
+        print(f"{name} batch 1, fused, GPU us per kernel name:", json.dumps(g["paths"]["fused"]["1"]["kernel_us"]))
+
+
+def plot_graphs(graphs: dict, path: Path) -> None:
+    """Graph GPU time per decode step by shape and batch, one bar per path, the floor as a line per shape."""
+    labels = [f"{name} b{batch}" for name in graphs for batch in GRAPH_BATCHES]
+    paths = [p for p, _, _ in PATHS if all(p in g["paths"] for g in graphs.values())]
+    series = {p: [graphs[name]["paths"][p][str(batch)]["graph_ms"] for name in graphs for batch in GRAPH_BATCHES]
+              for p in paths}
+    series["floor (weights once at 3 TB/s)"] = [graphs[name]["floor_ms"] for name in graphs for _ in GRAPH_BATCHES]
+    grouped_bars(path, labels, series, "ms per decode step (CUDA graph)",
+                 "Decode step: fused path vs module path (random weights, 512-token context)", figsize=(15, 5))
 
 
 def _graph_ms(fn, calls: int = 20) -> float:
