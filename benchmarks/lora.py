@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.timing import replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -98,15 +99,7 @@ def graph_ms(runner, batch: int, adapters: int, replays: int = 50) -> float | No
         tiles = lora_tiles(row_slots, runner._lora_tiles(key))
         runner.lora_static[:len(tiles)] = torch.from_numpy(tiles).cuda()
         graph = runner.lora_graphs[key]
-    for _ in range(3):
-        graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / replays
+    return replay_ms(graph, replays)
 
 
 def step_ms(engine, steps: int) -> float:

@@ -22,9 +22,9 @@ import io
 import json
 import os
 import pstats
+import subprocess
 import sys
 import tempfile
-import subprocess
 import time
 from pathlib import Path
 
@@ -34,6 +34,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
+from benchmarks.timing import replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
@@ -145,18 +146,6 @@ def prime_decode_rows(runner, batch: int, context: int) -> None:
     rows[:batch, 3] = ids[:, pos // size] * size + pos % size
     rows[:batch, 4] = pos + 1
     rows[:batch, 5] = torch.arange(batch, dtype=torch.int32, device=rows.device)
-
-
-def replay_ms(graph, replays: int = 50) -> float:
-    for _ in range(3):
-        graph.replay()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    stop.record()
-    stop.synchronize()
-    return start.elapsed_time(stop) / replays
 
 
 def count_kernels(fn) -> tuple[int, dict[str, float]]:

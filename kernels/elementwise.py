@@ -19,11 +19,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, B
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    y = _normed_row(x, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _normed_row(x, w_ptr, cols, ok, n_cols, eps, dtype: tl.constexpr):
+    """RMSNorm of a float32 row times the weight; the normalized row is rounded to `dtype` before the weight scales
+    it, as the reference implementations do."""
     normed = x * tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    # Round the normalized row to the input's dtype before scaling, as the reference implementations do.
-    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    return normed.to(dtype).to(tl.float32) * w
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -58,10 +64,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_split, stride_x,
     # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
     total = (res + x).to(dtype)
     tl.store(res_ptr + row * stride_res + cols, total, mask=ok)
-    total = total.to(tl.float32)
-    normed = total * tl.rsqrt(tl.sum(total * total, 0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    y = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * w
+    y = _normed_row(total.to(tl.float32), w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
