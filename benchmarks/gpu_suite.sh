@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one call: the GPU tests, then the benchmarks.
 #   benchmarks/gpu_suite.sh                 # all parts
-#   benchmarks/gpu_suite.sh tests decode    # some parts: tests attention decode generate finetune load serve
+#   benchmarks/gpu_suite.sh tests decode    # some parts: tests attention decode generate finetune lora
+#                                           # step_profile spec structured soak load serve (each benchmarks/PART.py)
 #   GPU_TESTS="tests/test_engine.py" benchmarks/gpu_suite.sh tests    # some GPU test files
 # Results go to benchmarks/results/; where $OUT is set (the device machine) logs and a tarball of the
 # results are copied there too. Wheels in .whl/ (the web stack the GPU machine lacks) are installed first.
