@@ -193,6 +193,7 @@ BAD = [
     ({"background": True}, 400, "background"),
     ({"previous_response_id": "resp_1"}, 400, "previous_response_id"),
     ({"bogus": 1}, 422, "bogus"),
+    ({"priority": 3}, 400, "priority"),  # read, and refused under the default fcfs policy as on the other routes
     ({"input": []}, 422, "input"),
     ({"input": 5}, 422, "input"),
     ({"input": [{"type": "reasoning", "summary": []}]}, 422, "input.0"),
@@ -235,3 +236,4 @@ def test_bad_requests_get_openai_errors(base_url, client):
         client.responses.create(model="tiny", input="hi", store=True)
     assert "keeps no responses" in e.value.body["message"]
     assert httpx.post(f"{base_url}/v1/responses", json=valid).status_code == 200
+    assert httpx.post(f"{base_url}/v1/responses", json={**valid, "priority": 0}).status_code == 200

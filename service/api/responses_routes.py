@@ -93,7 +93,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     return ChatCompletionRequest(
         model=req.model, messages=_messages(req), temperature=req.temperature, top_p=req.top_p, stream=req.stream,
         user=req.user, tools=tools or None, tool_choice=choice, response_format=_response_format(req),
-        parallel_tool_calls=req.parallel_tool_calls is not False)
+        parallel_tool_calls=req.parallel_tool_calls is not False, priority=req.priority)
 
 
 def _item_id(prefix: str) -> str:

@@ -358,6 +358,7 @@ class ResponsesRequest(_Body):
     text: TextConfig | None = None
     stream: bool = False
     user: str | None = None
+    priority: Priority = 0  # an extension, as on the other OpenAI routes (vLLM's)
     # OpenAI's bounds: 16 pairs, keys up to 64 characters, values up to 512; echoed in the response
     metadata: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]] | None = Field(
         None, max_length=16)
