@@ -210,6 +210,10 @@ def test_tokenize_and_detokenize_in_vllm_and_tgi_shapes(base_url):
     special = httpx.post(f"{base_url}/tokenize", json={"messages": MESSAGES, "add_special_tokens": True}).json()
     wrapped = tokenizer.encode("a", add_special_tokens=True)  # the embedded tokenizer adds none: same ids
     assert special["tokens"] == chat["tokens"] and wrapped == tokenizer.encode("a", add_special_tokens=False)
+    with_tools = httpx.post(f"{base_url}/tokenize", json={"messages": MESSAGES, "tools": [TOOL]}).json()
+    usage = httpx.post(f"{base_url}/v1/chat/completions", json={"model": "tiny", "messages": MESSAGES,
+                                                                 "tools": [TOOL], "max_tokens": 1}).json()["usage"]
+    assert with_tools["count"] == usage["prompt_tokens"] > chat["count"]  # the tools rendered, as chat renders them
     back = httpx.post(f"{base_url}/detokenize", json={"model": "tiny", "tokens": r["tokens"]}).json()
     assert back == {"prompt": tokenizer.decode(r["tokens"])} and text in back["prompt"]
     tgi = httpx.post(f"{base_url}/tokenize", json={"inputs": text}).json()  # TGI's: ids with text and offsets
@@ -219,6 +223,7 @@ def test_tokenize_and_detokenize_in_vllm_and_tgi_shapes(base_url):
                                ("/tokenize", {}, "prompt"),
                                ("/tokenize", {"prompt": text, "model": "nope"}, "model"),
                                ("/tokenize", {"inputs": ""}, "inputs"),
+                               ("/tokenize", {"prompt": text, "tools": [TOOL]}, "tools"),
                                ("/detokenize", {"tokens": [10 ** 8]}, "tokens"),
                                ("/detokenize", {"tokens": [-1]}, "tokens.0"),
                                ("/detokenize", {"tokens": "1 2"}, "tokens")]:

@@ -240,6 +240,7 @@ class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
+    tools: list[Tool] | None = Field(None, max_length=128)  # rendered with the messages, as chat renders them
     add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -49,6 +49,8 @@ async def tokenize(request: Request):
         resolve_model(client, req.model)
     if (req.prompt is None) == (req.messages is None):
         raise APIError(422, "prompt: send either prompt or messages", param="prompt")
+    if req.tools is not None and req.messages is None:
+        raise APIError(422, "tools: only with messages", param="tools")
     if req.prompt is not None:
         if not client.may_fit(req.prompt):
             raise APIError(422, "prompt: longer than the context could ever hold", param="prompt")
@@ -56,12 +58,14 @@ async def tokenize(request: Request):
         ids = await _off_loop(len(req.prompt), tokenizer.encode, req.prompt, add_special_tokens=special)
     else:
         messages = template_messages(req.messages)
-        text = chat_text(messages)  # the texts, and the names and calls' arguments that are rendered with them
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+        # the texts, the names and calls' arguments that are rendered with them, and the tools
+        text = chat_text(messages, tools)
         if not client.may_fit(text):
             raise APIError(422, f"messages: the conversation cannot fit the context of {client.max_model_len} "
                                 "tokens", param="messages", code="context_length_exceeded")
         try:
-            ids = await _off_loop(len(text), encode_chat, tokenizer, messages, req.add_generation_prompt)
+            ids = await _off_loop(len(text), encode_chat, tokenizer, messages, req.add_generation_prompt, **tools)
         except ChatTemplateError as e:
             raise APIError(422, f"messages: {e}", param="messages") from None
         if req.add_special_tokens:
