@@ -188,11 +188,14 @@ def trained(server):
     return _teach_phrase(server)
 
 
-def test_fine_tuned_model_says_the_phrase_the_base_does_not(server, trained):
+def test_fine_tuned_model_says_the_phrase_the_base_does_not(server, trained, tokenizer):
     client = _client(server)
     base, upload, job = trained
     assert job.status == "succeeded", job.error
-    assert job.fine_tuned_model == f"{base}:ft-walrus-{job.id[6:14]}" and job.trained_tokens > 0
+    assert job.fine_tuned_model == f"{base}:ft-walrus-{job.id[6:14]}"
+    # 40 epochs of the examples' own tokens: not the padding the trainer adds to bucket its micro-batches' shapes
+    examples = tokenize_records(parse_jsonl(TRAINING), tokenizer, 2048)
+    assert job.trained_tokens == 40 * sum(len(ex.token_ids) for ex in examples)
     assert client.files.retrieve(upload.id).bytes == len(TRAINING)
     assert upload.id in [f.id for f in client.files.list().data]
     assert job.fine_tuned_model in [m.id for m in client.models.list().data]
