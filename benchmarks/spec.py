@@ -5,9 +5,11 @@
    step (k = 0, a decode graph), at B = 1, 8, 32: median ms of `--reps` runs of the runner.
 2. forced_acceptance: tokens/s of greedy generation whose drafts are the reference output itself, each draft token
    kept with probability `alpha` (else replaced, so verification rejects it there): the speedup as a function of the
-   acceptance rate, k = 4, against no speculation.
+   acceptance rate, k = 4, against no speculation, with the acceptance back-off (`speculative_min_acceptance`, its
+   default) and without it (`no_backoff`): where the latter's speedup falls below 1 the back-off should recover it.
 3. copy_heavy_vs_free: the n-gram proposer on the embedded (trained) model, prompts that repeat a fortune (the
-   output copies it) against prompts that do not: tokens/s with and without speculation, and the acceptance rate.
+   output copies it) against prompts that do not: tokens/s with and without speculation (and without the back-off),
+   and the acceptance rate.
 
 Sections 1 and 2 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
 (benchmarks/generate.py), where a step is bound by memory and speculation can pay. `--device cpu` is a smoke run
@@ -30,10 +32,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from service.config import DEFAULT_MODEL_DIR  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.engine.scheduler import ScheduledBatch  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
+
+DEFAULT_MIN_ACCEPTANCE = Settings.model_fields["speculative_min_acceptance"].default
 
 
 def synchronize(device: str) -> None:
@@ -126,27 +130,37 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
     rows = []
     for batch_size in batches:
         prompts = [[random.randrange(10, 4000) for _ in range(64)] for _ in range(batch_size)]
-        plain = LLM(model, device=device)
+        # No prefix cache, here and below: one engine runs the same prompts again (each alpha, with and without the
+        # back-off), and a later run must not prefill less than the first.
+        plain = LLM(model, device=device, enable_prefix_caching=False)
         generate(plain, prompts[:1], params)  # warm-up
         reference, seconds = generate(plain, prompts, params)
         plain.engine.close()
         del plain
         free_memory()
         row = {"batch": batch_size, "k": k, "plain_tokens_per_s": batch_size * new_tokens / seconds}
-        spec = LLM(model, device=device, speculative_method="ngram", num_speculative_tokens=k)
+        spec = LLM(model, device=device, speculative_method="ngram", num_speculative_tokens=k,
+                   enable_prefix_caching=False)
         generate(spec, prompts[:1], params)
         by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
+
+        def run(llm: LLM, alpha: float, min_acceptance: float) -> dict:
+            """One generation of the batch at acceptance alpha; drafts: sequences verified, backoffs: pauses."""
+            speculator = llm.engine.speculator
+            speculator.proposer, speculator.min_acceptance = ForcedProposer(by_prompt, alpha), min_acceptance
+            s = speculator.stats
+            before = s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
+            tokens, seconds = generate(llm, prompts, params)
+            drafts, drafted, accepted, backoffs = (
+                now - then for now, then in zip((s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs), before))
+            return {"tokens_per_s": batch_size * new_tokens / seconds, "acceptance": accepted / max(drafted, 1),
+                    "speedup": batch_size * new_tokens / seconds / row["plain_tokens_per_s"],
+                    "drafts": drafts, "backoffs": backoffs,
+                    # exact in float32; bf16 verify and decode kernels may round a near tie apart
+                    "identical_to_plain": tokens == reference}
+
         for alpha in alphas:
-            spec.engine.speculator.proposer = ForcedProposer(by_prompt, alpha)
-            stats = spec.engine.speculator.stats
-            before = stats.draft_tokens, stats.accepted_tokens
-            tokens, seconds = generate(spec, prompts, params)
-            drafted, accepted = stats.draft_tokens - before[0], stats.accepted_tokens - before[1]
-            row[f"alpha{alpha}"] = {"tokens_per_s": batch_size * new_tokens / seconds,
-                                    "acceptance": accepted / max(drafted, 1),
-                                    "speedup": batch_size * new_tokens / seconds / row["plain_tokens_per_s"],
-                                    # exact in float32; bf16 verify and decode kernels may round a near tie apart
-                                    "identical_to_plain": tokens == reference}
+            row[f"alpha{alpha}"] = {**run(spec, alpha, DEFAULT_MIN_ACCEPTANCE), "no_backoff": run(spec, alpha, 0.0)}
         spec.engine.close()
         del spec
         free_memory()
@@ -166,7 +180,8 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
         row = {"workload": name, "prompts": len(prompts), "k": k}
         outputs = {}
         for method in (None, "ngram"):
-            llm = LLM(None, device=device, speculative_method=method, num_speculative_tokens=k)
+            llm = LLM(None, device=device, speculative_method=method, num_speculative_tokens=k,
+                      enable_prefix_caching=False)
             generate(llm, prompts[:1], params)
             outputs[method], seconds = generate(llm, prompts, params)
             row[f"{method or 'plain'}_tokens_per_s"] = len(prompts) * new_tokens / seconds
@@ -174,6 +189,10 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
                 s = llm.engine.speculator.stats
                 row["acceptance"] = s.accepted_tokens / max(s.draft_tokens, 1)
                 row["mean_accepted_per_draft"] = s.accepted_tokens / max(s.drafts, 1)
+                row["backoffs"] = s.backoffs
+                llm.engine.speculator.min_acceptance = 0.0  # the same engine, warm, without the back-off
+                _, seconds = generate(llm, prompts, params)
+                row["ngram_no_backoff_tokens_per_s"] = len(prompts) * new_tokens / seconds
             llm.engine.close()
             del llm
             free_memory()

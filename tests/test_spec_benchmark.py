@@ -1,6 +1,6 @@
 """benchmarks/spec.py on the CPU, shortened: verify-step cost against a decode step, tokens/s at forced acceptance
-rates and the n-gram proposer on copy-heavy and free prompts; the run must pass and its JSON carry the rows (the
-host side of the GPU benchmark cannot rot unseen)."""
+rates (with and without the acceptance back-off) and the n-gram proposer on copy-heavy and free prompts; the run
+must pass and its JSON carry the rows (the host side of the GPU benchmark cannot rot unseen)."""
 import json
 import subprocess
 import sys
@@ -19,6 +19,13 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     (forced,) = result["forced_acceptance"]
     assert forced["alpha0.0"]["acceptance"] == 0 and forced["alpha1.0"]["acceptance"] == 1
     assert forced["alpha0.0"]["identical_to_plain"] and forced["alpha1.0"]["identical_to_plain"]
+    # Always rejected, the back-off pauses drafting (12 tokens: four drafts, then 8 tokens without); always
+    # accepted, it changes nothing.
+    rejected, accepted = forced["alpha0.0"], forced["alpha1.0"]
+    assert rejected["backoffs"] == 1 and rejected["drafts"] == 4 and rejected["no_backoff"]["drafts"] == 10
+    assert accepted["backoffs"] == 0 and accepted["drafts"] == accepted["no_backoff"]["drafts"]
+    assert rejected["no_backoff"]["identical_to_plain"] and accepted["no_backoff"]["identical_to_plain"]
     workloads = {r["workload"]: r for r in result["copy_heavy_vs_free"]}
     assert list(workloads) == ["copy_heavy", "free"] and all(r["identical_to_plain"] for r in workloads.values())
     assert workloads["copy_heavy"]["acceptance"] > 0
+    assert all(r["ngram_no_backoff_tokens_per_s"] > 0 and r["backoffs"] >= 0 for r in workloads.values())

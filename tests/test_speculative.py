@@ -1,8 +1,10 @@
 """Speculative decoding (n-gram proposals, service/engine/speculative.py) on the embedded model, CPU: greedy outputs
 are the tokens plain decoding makes, through prefix-cache hits, chunked prefill, preemption and two tensor-parallel
 ranks; rejected drafts leave no trace in the KV bookkeeping or the prefix cache; rejection sampling draws from the
-target's distribution (a test that fails if the rejection step is skipped); what falls back to plain decoding."""
+target's distribution (a test that fails if the rejection step is skipped); what falls back to plain decoding; the
+acceptance back-off (a sequence whose drafts keep failing stops proposing, and tries again later)."""
 import gzip
+from collections import defaultdict
 
 import pytest
 import torch
@@ -105,6 +107,49 @@ def test_two_ranks_verify_the_tokens_one_rank_makes(tmp_path):
 
     tokens, speculator = generate(**SPEC, tensor_parallel_size=2)
     assert tokens == generate()[0] and speculator.stats.accepted_tokens
+
+
+class ScriptedProposer:
+    """Drafts each sequence's greedy continuation (from `reference`, by prompt), every token of it off by one where
+    wrong(tokens generated so far) holds, and records when each sequence was asked for a draft."""
+
+    def __init__(self, reference: dict[tuple, list[int]], vocab: int, wrong):
+        self.reference, self.vocab, self.wrong = reference, vocab, wrong
+        self.asked: dict[str, list[int]] = defaultdict(list)
+
+    def propose(self, seqs, limits):
+        drafts = []
+        for seq, k in zip(seqs, limits):
+            done = len(seq.token_ids) - seq.num_prompt_tokens
+            self.asked[seq.request_id].append(done)
+            truth = self.reference[tuple(seq.prompt_token_ids)][done:done + k]
+            drafts.append([(t + 1) % self.vocab for t in truth] if self.wrong(done) else truth)
+        return drafts
+
+
+@pytest.mark.parametrize("wrong, min_acceptance, asked, pauses", [
+    # Four rejected drafts take the average (from 1.0, halved each time) below 0.1: no drafts for 8 tokens, then
+    # one try, rejected: 16 tokens, then 32 (the next try would come after the 40th token).
+    (lambda done: True, 0.1, [1, 2, 3, 4, 13, 30], 3),
+    # The same pause, but the try after it is accepted (k = 4, five tokens a step): it speculates every step again.
+    (lambda done: done < 10, 0.1, [1, 2, 3, 4, 13, 18, 23, 28, 33, 38], 1),
+    # Copy-heavy with misses (every draft made at a multiple of 3 rejected): never paused, every step drafts.
+    (lambda done: done % 3 == 0, 0.1, [1, 6, 7, 12, 13, 18, 19, 24, 25, 30, 31, 36, 37], 0),
+    (lambda done: True, 0.0, list(range(1, 39)), 0),  # no back-off: drafts however they fare
+], ids=["always-rejected", "copies-again", "copy-heavy", "off"])
+def test_the_acceptance_back_off_pauses_failing_drafts_and_resumes(prompts, plain, wrong, min_acceptance, asked,
+                                                                  pauses):
+    llm = make_llm(**SPEC, speculative_min_acceptance=min_acceptance)
+    tokenizer, speculator = llm.tokenizer, llm.engine.speculator
+    reference = {tuple(tokenizer.encode(p)): out for p, out in zip(prompts, plain)}
+    speculator.proposer = ScriptedProposer(reference, llm.engine.model.config.vocab_size, wrong)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    assert list(speculator.proposer.asked.values()) == [asked] * len(prompts)
+    assert speculator.stats.drafts == len(asked) * len(prompts)
+    assert speculator.stats.backoffs == pauses * len(prompts)
+    llm.engine.step()  # the next step forgets the finished sequences
+    assert not speculator.acceptance
+    assert_no_leaks(llm)
 
 
 def test_block_manager_reserves_draft_slots_and_gives_back_rejected_blocks():

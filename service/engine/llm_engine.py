@@ -153,7 +153,7 @@ class LLMEngine:
         if s.speculative_method is not None:
             self.speculator = Speculator(make_proposer(s.speculative_method, s.prompt_lookup_min, s.prompt_lookup_max),
                                          s.num_speculative_tokens, s.speculative_disable_by_batch_size,
-                                         self.max_model_len)
+                                         self.max_model_len, s.speculative_min_acceptance)
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self.overlap &= self.speculator is None  # proposals read every sequence's last token on the host
         self._in_flight: _InFlight | None = None

@@ -15,6 +15,14 @@ on the host before the next is scored), logprobs and top logprobs, and min_token
 also proposes nothing when `speculative_disable_by_batch_size` sequences or more run (a large batch is bound by
 compute, where scoring guesses costs more than it saves).
 
+Acceptance back-off (`speculative_min_acceptance`): every verify moves the sequence's exponential moving average
+of its accepted fraction (accepted / drafted tokens; weight EMA_WEIGHT, from 1.0) towards that verify's. Below the
+threshold the sequence proposes nothing for its next BACKOFF_MIN tokens (no lookup, no verify rows: a verify also
+takes the whole step off the decode graphs), then tries one draft again; each failed try doubles the pause, up to
+BACKOFF_MAX, and a verify that lifts the average back over the threshold resets it. A request that stops copying
+soon stops paying for drafts, one that starts copying again gets them back within BACKOFF_MAX tokens. It reads
+only the sequence's own drafts and tokens: greedy outputs stay those of plain decoding, seeded ones reproducible.
+
 Rollback: the scheduler reserves KV slots for the drafts (BlockManager.append's lookahead) without making them
 part of the sequence; after verification `Scheduler.accept` counts the accepted tokens as computed and gives back
 the blocks that only rejected tokens reached. A rejected token's slot is overwritten by the next step, and the
@@ -31,8 +39,13 @@ import numpy as np
 import torch
 
 from service.engine.sampler import target_probs
-from service.engine.sequence import Sequence
+from service.engine.sequence import Sequence, Status
 from service.protocol import SamplingParams
+
+# The acceptance back-off (module doc): weight of the latest verify in the average, and the pause in the sequence's
+# own tokens, first and longest. Four wholly rejected drafts in a row take a fresh sequence below 0.1.
+EMA_WEIGHT = 0.5
+BACKOFF_MIN, BACKOFF_MAX = 8, 128
 
 
 class Proposer(Protocol):
@@ -86,28 +99,48 @@ class SpecStats:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    backoffs: int = 0  # ours: pauses of a sequence's proposals for low acceptance
+
+
+class _Acceptance:
+    """A sequence's back-off state: its average accepted fraction, its next pause, and the length (of token_ids)
+    from which it proposes again."""
+    __slots__ = ("ema", "backoff", "resume_at")
+
+    def __init__(self):
+        self.ema, self.backoff, self.resume_at = 1.0, BACKOFF_MIN, 0
 
 
 class Speculator:
     """The engine's side of speculation: proposals before a step is scheduled, verification after it ran."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int, disable_by_batch_size: int | None, max_model_len: int):
+    def __init__(self, proposer: Proposer, num_tokens: int, disable_by_batch_size: int | None, max_model_len: int,
+                 min_acceptance: float):
         self.proposer, self.k = proposer, num_tokens
         self.disable_by_batch_size = disable_by_batch_size
         self.max_model_len = max_model_len
+        self.min_acceptance = min_acceptance  # 0: no back-off
+        self.acceptance: dict[Sequence, _Acceptance] = {}  # sequences verified while the back-off is on
         self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
 
     def propose(self, running: list[Sequence]) -> None:
-        """Sets seq.draft for every running sequence: draft tokens for those that decode next step, else none. A
-        draft leaves room for the token the target adds after it, within max_new_tokens and the context."""
+        """Sets seq.draft for every running sequence: draft tokens for those that decode next step and are not
+        backing off, else none. A draft leaves room for the token the target adds after it, within max_new_tokens
+        and the context."""
         for seq in running:
             seq.draft = []
+        acceptance = self.acceptance
+        if len(acceptance) > len(running):  # forget finished sequences (preempted ones keep their history)
+            self.acceptance = acceptance = {s: a for s, a in acceptance.items() if s.status is not Status.FINISHED}
         if self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size:
             return
         eligible, limits = [], []
         for seq in running:
             length = len(seq.token_ids)
             if seq.num_computed_tokens == length - 1 and length > seq.num_prompt_tokens and can_speculate(seq):
+                state = acceptance.get(seq)
+                if state is not None and length < state.resume_at:  # backing off
+                    continue
                 room = min(seq.token_limit, self.max_model_len) - length - 1
                 if room > 0:
                     eligible.append(seq)
@@ -128,6 +161,9 @@ class Speculator:
         draft_lists = [drafts[i] for i in order]
         tokens = verify_rows(verified_logits, draft_lists, params, [seqs[i].generator for i in order])
         self._count(draft_lists, tokens)
+        if self.min_acceptance > 0:
+            for i, draft, out in zip(order, draft_lists, tokens):
+                self._back_off(seqs[i], (len(out) - 1) / len(draft), len(out))
         kept = logits[_index(plain, logits.device)] if len(plain) < len(index) else logits
         return kept, [index[row] for row in plain], [(seqs[i], t) for i, t in zip(order, tokens)]
 
@@ -140,6 +176,20 @@ class Speculator:
             s.accepted_tokens += accepted
             for position in range(accepted):
                 s.accepted_per_position[position] += 1
+
+    def _back_off(self, seq: Sequence, fraction: float, num_new: int) -> None:
+        """Folds a verify's accepted fraction into seq's average; below the threshold, seq proposes nothing for
+        its next `backoff` tokens (after the num_new this step adds), and the pause after that is twice as long."""
+        a = self.acceptance.get(seq)
+        if a is None:
+            a = self.acceptance[seq] = _Acceptance()
+        a.ema += EMA_WEIGHT * (fraction - a.ema)
+        if a.ema >= self.min_acceptance:
+            a.backoff = BACKOFF_MIN
+            return
+        a.resume_at = len(seq.token_ids) + num_new + a.backoff
+        a.backoff = min(2 * a.backoff, BACKOFF_MAX)
+        self.stats.backoffs += 1
 
 
 def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
