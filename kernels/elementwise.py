@@ -73,7 +73,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     one pass. residual [rows, dim]; x like it, or float32 partial sums [splits, rows, dim] of the projection that
     produced it (kernels.decode_linear partials), added up and rounded here."""
     rows, dim = residual.shape
-    splits = x.view(-1, rows, dim).shape[0] if x.dim() == 3 else 1
+    splits = x.shape[0] if x.dim() == 3 else 1
     if x.shape[-2:] != residual.shape or x.stride(-1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual must be [rows, dim] with unit column stride, got {tuple(x.shape)}, "
                          f"{tuple(residual.shape)}")
