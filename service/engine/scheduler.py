@@ -17,7 +17,9 @@ Fairness: when the sequences that want to run outnumber a step's places (max_num
 request with all its prompts and completions, or every request of one OpenAI `user`) is entitled to an equal share
 of them. Groups under their share that wait are admitted first, taking places from the newest sequences of groups
 over their share (preempted), and a request's completions beyond its share run later on their own (from the
-prefix cache). Nobody waits for a request of hundreds of sequences to finish.
+prefix cache). Nobody waits for a request of hundreds of sequences to finish. A request's completions hold their
+places from its admission on, while they wait for its prompt to fork (Scheduler.forking), so that no step ever runs
+or samples more than max_num_seqs sequences; beyond their group's share they are the first to give places up.
 
 Priority (policy "priority"; "fcfs" serves every request at priority 0): a lower `priority` value is served first.
 The waiting queue is kept in (priority, arrival) order and the running list in (priority, admission) order, so a
@@ -100,6 +102,9 @@ class Scheduler:
         self.steps = 0  # schedule() calls: the clock of held admissions
         self.waiting: deque[Sequence] = deque()  # arrival order (preempted ones first); or by priority (_queue)
         self.running: list[Sequence] = []  # oldest admission first; or by priority (_run)
+        # Running sequences whose completions wait for their prompt (Sequence.forks): those hold places in a step
+        # already, as they join the running list when the prompt is done (_fork).
+        self.forking: list[Sequence] = []
 
     @property
     def has_work(self) -> bool:
@@ -108,6 +113,11 @@ class Scheduler:
     @property
     def kv_usage(self) -> float:
         return self.block_manager.usage
+
+    @property
+    def num_places_taken(self) -> int:
+        """A step's places that running sequences hold: their own and those of their completions still to fork."""
+        return len(self.running) + sum(len(seq.forks) for seq in self.forking)
 
     def add(self, seq: Sequence) -> None:
         seq.arrival_step = self.steps
@@ -151,6 +161,8 @@ class Scheduler:
         if seq.status == Status.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq.request_id)
+            if seq in self.forking:
+                self.forking.remove(seq)
         elif seq.fork_of is not None:
             seq.fork_of.forks.remove(seq)
         elif seq.status == Status.WAITING:
@@ -162,8 +174,11 @@ class Scheduler:
         seq.status = Status.FINISHED
 
     def _preempt(self, seq: Sequence) -> None:
+        """Sends seq back to the queue, its completions still to fork with it."""
         self.running.remove(seq)
         self.block_manager.free(seq.request_id)
+        if seq in self.forking:
+            self.forking.remove(seq)
         seq.status, seq.num_computed_tokens = Status.WAITING, 0
         self._queue(seq, front=True)
 
@@ -174,9 +189,12 @@ class Scheduler:
         wanted = Counter()
         for seq in self.waiting:
             wanted[seq.group] += 1 + len(seq.forks)
-        if len(self.running) + sum(wanted.values()) <= self.max_num_seqs:
+        taken = self.num_places_taken
+        if taken + sum(wanted.values()) <= self.max_num_seqs:
             return None
         seats = Counter(seq.group for seq in self.running)
+        for seq in self.forking:
+            seats[seq.group] += len(seq.forks)
         share = max(1, self.max_num_seqs // len(seats.keys() | wanted.keys()))
         # The places that waiting groups under their share want, each at its sequence's priority, best first. The
         # free places go to the first ones; each of the others may take the place of an over-share sequence of its
@@ -188,12 +206,17 @@ class Scheduler:
                 wants += [_priority(seq)] * places
                 room[seq.group] -= places
         wants.sort()
-        need = len(wants) - (self.max_num_seqs - len(self.running))
+        need = len(wants) - (self.max_num_seqs - taken)
         for seq in reversed(self.running[:]):  # newest (by priority: lowest, newest) first
             # wants[len(wants) - need]: the best want that the free places leave unserved
             if need <= 0 or wants and wants[max(0, len(wants) - need)] > _priority(seq):
                 break
-            if seats[seq.group] > share:
+            if seq.forks and seats[seq.group] > share:  # its completions still to fork give up their places first
+                places = min(len(seq.forks), seats[seq.group] - share, need)
+                self._detach_forks(seq, len(seq.forks) - places)
+                seats[seq.group] -= places
+                need -= places
+            if need > 0 and seats[seq.group] > share:
                 self._preempt(seq)
                 seats[seq.group] -= 1
                 need -= 1
@@ -222,13 +245,17 @@ class Scheduler:
         yield from later
 
     def _trim_forks(self, seq: Sequence, seats: Counter, share: int) -> None:
-        """The completions of seq beyond what its group may take now go on alone, later (each its own prompt, from
-        the prefix cache)."""
-        places = share - seats[seq.group] if seats[seq.group] < share else self.max_num_seqs - len(self.running)
-        for child in seq.forks[max(0, places - 1):]:
+        """The completions of seq beyond what its group may take now go on alone, later."""
+        places = share - seats[seq.group] if seats[seq.group] < share else self.max_num_seqs - self.num_places_taken
+        self._detach_forks(seq, max(0, places - 1))
+
+    def _detach_forks(self, seq: Sequence, keep: int) -> None:
+        """seq's completions after its first `keep` go to the end of the queue, each its own prompt (the prefix
+        cache finds seq's, once computed)."""
+        for child in seq.forks[keep:]:
             child.fork_of = None
             self._queue(child)
-        del seq.forks[max(0, places - 1):]
+        del seq.forks[keep:]
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
@@ -294,7 +321,7 @@ class Scheduler:
         adapters = self._running_adapters()
         # A step that preempted for lack of blocks admits nobody; one that made room for fairness does.
         while (admit and self.waiting and prompt_room() > 0 and len(batch.seqs) < self.max_num_seqs
-               and len(self.running) < self.max_num_seqs and batch.num_preemptions == made_room):
+               and self.num_places_taken < self.max_num_seqs and batch.num_preemptions == made_room):
             seq = next(order, None)
             if seq is None:
                 break
@@ -302,7 +329,8 @@ class Scheduler:
                 continue
             if fair:
                 self._trim_forks(seq, *fair)
-            if len(self.running) + 1 + len(seq.forks) > self.max_num_seqs or not bm.can_allocate(seq.cache_keys):
+            if (self.num_places_taken + 1 + len(seq.forks) > self.max_num_seqs
+                    or not bm.can_allocate(seq.cache_keys)):
                 break
             if seq is self.waiting[0]:
                 self.waiting.popleft()
@@ -316,6 +344,8 @@ class Scheduler:
                 seq.queue_seconds = time.perf_counter() - seq.arrival
             seq.num_computed_tokens, seq.status = cached, Status.RUNNING
             self._run(seq)
+            if seq.forks:
+                self.forking.append(seq)
             n = min(seq.num_uncomputed_tokens, prompt_room())
             batch.add(seq, n, bm.tables[seq.request_id])
             budget -= n
@@ -346,6 +376,8 @@ class Scheduler:
             self._run(child)
             batch.forks.append((child, parent))
         parent.forks = []
+        if parent in self.forking:
+            self.forking.remove(parent)
 
 
 def _priority(seq: Sequence) -> int:
