@@ -1,9 +1,15 @@
 """The engine core: the process that owns the device, the model, the KV cache, the scheduler and sampler (through
 LLMEngine) and the fine-tuning jobs. It runs one plain loop, with no asyncio: drain the front-ends' commands, step
 the engine (or train a micro-batch between steps), and send each front-end one message per step with the new
-tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no CPU. The one
-work it hands to threads is compiling grammars (structured outputs, service.engine.grammar.CompileQueue): a request
-with a grammar waits (counted as waiting) until its grammar has compiled, then is admitted.
+tokens of all its requests. When there is nothing to do it blocks in poll: an idle server uses no CPU. It hands
+two kinds of work to threads, lest the streams stall while it is done:
+- compiling grammars (structured outputs, service.engine.grammar.CompileQueue): a request with a grammar waits
+  (counted as waiting) until its grammar has compiled, then is admitted;
+- reading LoRA adapters' files (tens of MB to GBs), on one reader thread that only turns a file into an Adapter:
+  the loop puts it in the engine. The adapter calls (load, unload) take effect one at a time in the order they came,
+  each answered once done, a load once its file is read: until then its name is not served, and requests for it
+  are refused as when they come before the call. A request for a served adapter that max_cpu_loras let go waits
+  (counted as waiting) while its file is read again, then is admitted.
 
 Front-ends talk to it over ZeroMQ (service.protocol): the core binds a ROUTER socket, so every message names the
 front-end it came from and every answer goes to that front-end alone.
@@ -23,7 +29,8 @@ import signal
 import socket
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import torch
@@ -103,6 +110,14 @@ class EngineCore:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self.compiles = CompileQueue(self.engine.grammars, settings.grammar_compile_timeout, self._wake)
+        # Adapter files are read on this thread (one file at a time: the memory of one adapter in flight).
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="adapter-reader")
+        self._read_adapter = e.adapter_reader()
+        self._adapter_calls: deque[tuple[bytes, Call]] = deque()  # in arrival order; the first one is in progress
+        self._loading: Future | None = None  # the read of the first adapter call's file, a load's
+        self._rereads: dict[str, Future] = {}  # adapter key -> the read of the file of an adapter let go
+        self._parked: dict[str, tuple[str, bytes, AddRequest, object]] = {}  # request id -> (key, front-end,
+        # request, its compiled grammar or None): admitted once the file of adapter `key` is read again
         self._stopping = False
         self._gpu_memory_at = 0.0
         self._loras_at = 0.0
@@ -150,11 +165,13 @@ class EngineCore:
                     self._drain()
                 if self.compiles:
                     self._admit_compiled()
+                self._install_reads()
                 if self.engine.has_work:
                     self._step()
                 if self._train_in() == 0:
                     self.jobs.train_step(engine_busy=self.engine.has_work)
         finally:
+            self._reader.shutdown(wait=False, cancel_futures=True)
             self.engine.grammars.shutdown()
             self.engine.close()
             if self.jobs is not None:
@@ -177,8 +194,8 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting to be scheduled, those whose grammar is compiling included."""
-        return self.engine.num_waiting + len(self.compiles)
+        """Requests waiting to be scheduled, those whose grammar is compiling or adapter is read included."""
+        return self.engine.num_waiting + len(self.compiles) + len(self._parked)
 
     def _send(self, identity: bytes, message) -> None:
         self.socket.send_multipart([identity, self._pack(message)], copy=False)
@@ -202,10 +219,10 @@ class EngineCore:
                 for request_id in message.request_ids:
                     if self.owner.pop(request_id, None) is not None:
                         self.engine.abort(request_id)
-                    else:  # its client left while its grammar compiled
-                        self.compiles.remove(request_id)
+                    elif self._parked.pop(request_id, None) is None:  # its client left while its adapter was read
+                        self.compiles.remove(request_id)  # or while its grammar compiled
             elif isinstance(message, Call):
-                self._send(identity, self._call(message))
+                self._call(identity, message)
             elif isinstance(message, Hello):
                 self.frontends.add(identity)
                 self._send(identity, self.info())
@@ -226,8 +243,6 @@ class EngineCore:
                     raise GrammarError(f"longer than {self.settings.max_grammar_bytes} bytes (max_grammar_bytes)")
                 self.compiles.add(grammar, rid, (identity, request))
                 return  # admitted (or refused) once compiled
-            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
-                                    group=request.group)
         except AdapterNotServed as e:  # unloaded before this front-end heard of it
             answer.rejected.append(Rejection(rid, "adapter", str(e)))
             return
@@ -236,6 +251,30 @@ class EngineCore:
             return
         except GrammarError as e:
             answer.rejected.append(Rejection(rid, "grammar", str(e)))
+            return
+        self._admit(identity, request, None, answer)
+
+    def _admit(self, identity: bytes, request: AddRequest, grammar, answer: Admitted) -> None:
+        """Queues the request in the engine, or parks it while its adapter's file is read again (on the reader
+        thread: the engine would read it on this one)."""
+        rid = request.request_id
+        try:
+            reread = self.engine.adapter_to_read(request.adapter)
+            if reread is not None:
+                self.engine.validate(request.prompt_token_ids, request.params, request.adapter)
+                key, path = reread
+                self._parked[rid] = key, identity, request, grammar
+                if key not in self._rereads:
+                    self._rereads[key] = self._reader.submit(self._read_adapter, path)
+                    self._rereads[key].add_done_callback(lambda _: self._wake())
+                return
+            self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
+                                    grammar=grammar, group=request.group)
+        except AdapterNotServed as e:  # unloaded before this front-end heard of it, or while it waited
+            answer.rejected.append(Rejection(rid, "adapter", str(e)))
+            return
+        except RequestRejected as e:
+            answer.rejected.append(Rejection(rid, "invalid", str(e)))
             return
         self._accept(identity, request, answer)
 
@@ -251,42 +290,86 @@ class EngineCore:
         for (identity, request), reason in refused:
             admitted[identity].rejected.append(Rejection(request.request_id, "grammar", reason))
         for (identity, request), compiled in ready:
-            answer, rid = admitted[identity], request.request_id
-            try:
-                self.engine.add_request(rid, request.prompt_token_ids, request.params, request.adapter,
-                                        grammar=compiled, group=request.group)
-            except AdapterNotServed as e:  # unloaded while the grammar compiled
-                answer.rejected.append(Rejection(rid, "adapter", str(e)))
-                continue
-            except RequestRejected as e:
-                answer.rejected.append(Rejection(rid, "invalid", str(e)))
-                continue
-            self._accept(identity, request, answer)
+            self._admit(identity, request, compiled, admitted[identity])
         for identity, answer in admitted.items():
             self._send(identity, answer)
 
-    def _call(self, call: Call) -> Reply:
-        if call.method == "stats":
-            e = self.engine
-            return Reply(call.call_id, {"running": e.num_running, "waiting": self.num_waiting,
-                                        "kv_usage": e.kv_usage, "requests": len(e.requests), "owned": len(self.owner)})
+    def _install_reads(self) -> None:
+        """Puts in the engine the adapters whose files the reader thread has read: answers a load, and admits (or
+        refuses) the requests that waited for an adapter read again."""
+        if self._loading is not None and self._loading.done():
+            (identity, call), read, self._loading = self._adapter_calls.popleft(), self._loading.result, None
+            self._send_adapter_reply(identity, self._answer(call, lambda: self.engine.install_adapter(
+                call.kwargs["name"], call.kwargs["path"], read)))
+            self._run_adapter_calls()
+        admitted: dict[bytes, Admitted] = defaultdict(lambda: Admitted([], []))
+        for key, future in [(key, future) for key, future in self._rereads.items() if future.done()]:
+            del self._rereads[key]
+            waiting = [(rid, parked) for rid, parked in self._parked.items() if parked[0] == key]
+            for rid, _ in waiting:
+                del self._parked[rid]
+            try:
+                self.engine.install_read(key, future.result)
+            except RequestRejected as e:
+                for rid, (_, identity, _, _) in waiting:
+                    admitted[identity].rejected.append(Rejection(rid, "invalid", str(e)))
+                continue
+            for _, (_, identity, request, grammar) in waiting:  # a request may meet its adapter unloaded now
+                self._admit(identity, request, grammar, admitted[identity])
+            self.engine.evict_adapters()  # after the admissions: their adapter is in use, and stays
+        for identity, answer in admitted.items():
+            self._send(identity, answer)
+
+    def _call(self, identity: bytes, call: Call) -> None:
         if call.method in ("load_adapter", "unload_adapter"):
-            target = self.engine
+            self._adapter_calls.append((identity, call))
+            self._run_adapter_calls()
+        elif call.method == "stats":
+            e = self.engine
+            self._send(identity, Reply(call.call_id, {
+                "running": e.num_running, "waiting": self.num_waiting, "kv_usage": e.kv_usage,
+                "requests": len(e.requests), "owned": len(self.owner)}))
         elif call.method in JobManager.CALLS and self.jobs is not None:
-            target = self.jobs
+            self._send(identity, self._answer(call, lambda: getattr(self.jobs, call.method)(**call.kwargs)))
         else:
-            return Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}", "param": None,
-                                              "code": None})
+            self._send(identity, Reply(call.call_id, error={"status": 404, "message": f"no call {call.method!r}",
+                                                            "param": None, "code": None}))
+
+    def _run_adapter_calls(self) -> None:
+        """Carries out the adapter calls in order, up to a load: that one waits for its file (_install_reads)."""
+        while self._adapter_calls and self._loading is None:
+            identity, call = self._adapter_calls[0]
+            if call.method == "load_adapter":
+                # the result: the file to read, once the name is known to be free
+                reply = self._answer(call, lambda: self.engine.check_adapter_name(call.kwargs["name"])
+                                     or call.kwargs["path"])
+                if reply.error is None:
+                    self._loading = self._reader.submit(self._read_adapter, reply.result)
+                    self._loading.add_done_callback(lambda _: self._wake())
+                    return
+                self._adapter_calls.popleft()
+                self._send(identity, reply)
+            else:
+                self._adapter_calls.popleft()
+                self._send_adapter_reply(identity, self._answer(call, lambda: self.engine.unload_adapter(
+                    **call.kwargs)))
+
+    def _send_adapter_reply(self, identity: bytes, reply: Reply) -> None:
+        """The reply to a load or unload; the front-ends hear of the change first (their routes, GET /v1/models)."""
+        if reply.error is None:
+            self._broadcast_adapters()
+        self._send(identity, reply)
+
+    def _answer(self, call: Call, run) -> Reply:
+        """The reply to `call`, which run() carries out."""
         try:
-            result = getattr(target, call.method)(**call.kwargs)
+            result = run()
         except (JobError, AdapterError) as e:
             return Reply(call.call_id, error=e.as_dict())
         except Exception as e:
             log.exception("call %s failed", call.method)
             return Reply(call.call_id, error={"status": 500, "message": f"{type(e).__name__}: {e}", "param": None,
                                               "code": "internal_error"})
-        if target is self.engine:
-            self._broadcast_adapters()
         return Reply(call.call_id, result)
 
     def _step(self) -> None:

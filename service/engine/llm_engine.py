@@ -13,11 +13,13 @@ Speculative decoding (`speculative_method`, service.engine.speculative) runs ste
 every sequence's last token on the host. Before each step the proposer drafts tokens for decoding sequences; the
 step scores them, and verification appends the accepted ones and the target's next token, all reported at once.
 """
+import functools
 import gc
 import itertools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from service.model import peft
 from service.model.config import ModelConfig
 from service.model.fingerprint import fingerprint
 from service.model.loader import eos_token_ids, load_model, resolve_dtype, resolve_model_dir
-from service.model.lora import AdapterMismatch, add_adapter, has_adapter, remove_adapter
+from service.model.lora import Adapter, AdapterMismatch, add_adapter, has_adapter, remove_adapter
 from service.model.parallel import SINGLE, TensorParallel, check_divisible
 from service.protocol import MAX_TOP_K, RequestOutput, SamplingParams, choice_ids, choice_seed
 
@@ -253,21 +255,41 @@ class LLMEngine:
         return True
 
     # -- LoRA adapters -----------------------------------------------------------------------------------
+    # Reading an adapter's file (tens of MB, GBs for big models) would hold up every stream if the thread that steps
+    # did it: the engine core reads files on a thread of its own with adapter_reader() and hands each Adapter to
+    # install_adapter (a load) or install_read (one that max_cpu_loras let go, see adapter_to_read). The offline LLM
+    # calls load_adapter, which does all of it here.
     def load_adapter(self, name: str, path: str) -> None:
         """Serves the adapter at path (a PEFT directory, or one of our .safetensors files) as model `name` from the
         next step on. AdapterError if it cannot be, and then what is served stays as it was."""
+        self.install_adapter(name, path, functools.partial(self.adapter_reader(), path))
+
+    def check_adapter_name(self, name: str) -> None:
+        """AdapterError unless `name` is free to load an adapter under."""
         if name == self.model_name:
             raise AdapterError(400, f"{name!r} is the base model's name", "lora_name", "invalid_value")
         if self._adapter_key(name) is not None:
             raise AdapterError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name",
                                "adapter_exists")
+
+    def adapter_reader(self) -> Callable[[str], Adapter]:
+        """reader(path): the adapter file at path as the registry holds it (peft.load_adapter), or its error. It
+        touches nothing of the engine's (the device, dtype and fingerprint are taken now): safe on another thread."""
+        param = next(self.model.parameters())
+        return functools.partial(peft.load_adapter, device=param.device, dtype=param.dtype, base=self.fingerprint)
+
+    def install_adapter(self, name: str, path: str, read: Callable[[], Adapter]) -> None:
+        """Serves as `name` the adapter that read() returns (or raises: the reader's, for path), as load_adapter.
+        The engine core checks the name before it reads the file (check_adapter_name); it is checked again here:
+        a fine-tuning job's adapter may have taken it meanwhile."""
+        self.check_adapter_name(name)
         # Every load gets a key of its own: an unloaded version of the name may still run, and the prefix cache may
         # hold blocks computed with it, salted with its key.
         key = name
         while key in self._used_keys:
             key = f"{name} #{next(self._versions)}"
         try:
-            self._read(key, path)
+            self._add(key, read)
         except peft.AdapterNotFound as e:
             raise AdapterError(404, str(e), "lora_path", "adapter_not_found") from None
         except AdapterMismatch as e:
@@ -279,8 +301,27 @@ class LLMEngine:
         self._adapter_keys[name] = key
         self._used_keys.add(key)
         self._sources[key] = name, path
-        self._evict()
+        self.evict_adapters()
         log.info("serving adapter %s from %s", name, path)
+
+    def adapter_to_read(self, name: str | None) -> tuple[str, str] | None:
+        """(key, path) when `name` is served but max_cpu_loras let its weights go: a request for it needs them read
+        from the file again first (install_read); None when none is needed (or `name` is not served)."""
+        key = None if name is None else self._adapter_key(name)
+        if key not in self._sources or has_adapter(self.model, key):
+            return None
+        return key, self._sources[key][1]
+
+    def install_read(self, key: str, read: Callable[[], Adapter]) -> None:
+        """Puts back in memory the weights of adapter `key` that read() returns (read from its file, see
+        adapter_to_read), unless it was unloaded meanwhile; RequestRejected if they cannot be read. The caller
+        admits the requests that waited for it, then calls evict_adapters."""
+        if key not in self._sources or has_adapter(self.model, key):
+            return
+        try:
+            self._add(key, read)
+        except (peft.AdapterFileError, AdapterMismatch) as e:
+            raise RequestRejected(f"the adapter cannot be loaded again from {self._sources[key][1]}: {e}") from None
 
     def unload_adapter(self, name: str) -> None:
         """Stops serving adapter `name`: new requests for it are refused at once; those running or waiting keep it
@@ -329,31 +370,26 @@ class LLMEngine:
             remove_adapter(self.model, key)
             del self._sources[key]
         else:
-            self._evict()
+            self.evict_adapters()
 
     def _touch(self, key: str) -> None:
-        """Marks a loaded adapter the most recently used, loading it again (on this thread: its file's read holds
-        up the steps) if max_cpu_loras let it go; RequestRejected if it cannot be."""
+        """Marks a loaded adapter the most recently used, reading it again if max_cpu_loras let it go (here, on
+        the stepping thread: the engine core reads it beforehand on its own, see adapter_to_read); RequestRejected
+        if it cannot be."""
         source = self._sources.pop(key, None)
         if source is None:  # put in the registry directly: always there
             return
         self._sources[key] = source
-        if has_adapter(self.model, key):
-            return
-        path = source[1]
-        try:
-            self._read(key, path)
-        except (peft.AdapterFileError, AdapterMismatch) as e:
-            raise RequestRejected(f"the adapter cannot be loaded again from {path}: {e}") from None
-        self._evict(keep=key)
+        if not has_adapter(self.model, key):
+            self.install_read(key, functools.partial(self.adapter_reader(), source[1]))
+            self.evict_adapters(keep=key)
 
-    def _read(self, key: str, path: str) -> None:
-        """Reads an adapter's file into the registry under key."""
-        param = next(self.model.parameters())
-        add_adapter(self.model, key, peft.load_adapter(path, param.device, param.dtype, self.fingerprint))
+    def _add(self, key: str, read: Callable[[], Adapter]) -> None:
+        """Puts the adapter that read() returns in the registry under key."""
+        add_adapter(self.model, key, read())
         self.adapter_reads += 1
 
-    def _evict(self, keep: str | None = None) -> None:
+    def evict_adapters(self, keep: str | None = None) -> None:
         """Lets the least recently used adapters that no sequence uses (nor `keep`) go, while more than
         max_cpu_loras are in memory; their files load them again when a request needs them."""
         limit = self.settings.max_cpu_loras
