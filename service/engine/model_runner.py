@@ -18,6 +18,7 @@ A step is planned on the host (plan: which graph, its inputs packed in numpy arr
 other ranks (service.engine.tp_workers), and every rank executes it.
 """
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,10 @@ class ModelRunner:
         self.num_kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
         self.workers = None  # rank 0 of a tensor-parallel model: the other ranks' handle (send(plan))
         self._adapters_sent: dict[str, str | None] = {}
+        # A worker rank's adapter files being read (name: the read), and the one thread that reads them: see
+        # _apply_adapter_changes. The thread only turns a file into an Adapter; the registry is this thread's.
+        self._adapter_reads: dict[str, Future] = {}
+        self._adapter_reader: ThreadPoolExecutor | None = None
         self._pending: torch.Tensor | None = None  # a worker's copy of rank 0's sampled tokens
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -317,7 +322,7 @@ class ModelRunner:
 
     def _adapter_changes(self) -> dict[str, str | None] | None:
         """The served LoRA adapters added (name: file) or removed (name: None) since the last step's plan, which
-        tensor-parallel workers load (cut to their slices) before the step."""
+        tensor-parallel workers read (cut to their slices) before any step uses them (_apply_adapter_changes)."""
         if self.workers is None:
             return None
         served = {name: a.source for name, a in getattr(self.model, "lora_adapters", {}).items()}
@@ -335,6 +340,8 @@ class ModelRunner:
         of them or None). Under tensor parallelism every rank runs it; rank 0's `pending` reaches the others."""
         if plan.adapters_changed:
             self._apply_adapter_changes(plan.adapters_changed)
+        if self._adapter_reads:
+            self._install_adapter_reads(plan)
         for slot, name in plan.lora_loads:
             self.slots.load(slot, name)
         self.kv_cache.copy_blocks(plan.copies)
@@ -382,15 +389,40 @@ class ModelRunner:
         return pending
 
     def _apply_adapter_changes(self, changes: dict[str, str | None]) -> None:
+        """A worker rank's side of rank 0's adapter changes. Reading a file here would stall every rank for the
+        step (they meet in its collectives), though the adapter is rarely used by the step that announces it: the
+        files are read on a thread, and each adapter installed by _install_adapter_reads before the first step that
+        uses it. A changed or removed name leaves the registry at once, so no step can use a version rank 0 no
+        longer serves."""
         if self.tp.rank == 0:  # rank 0 served them already: its plan reports what it serves
             return
-        from service.model.lora import add_adapter, remove_adapter
+        from service.model.lora import has_adapter, remove_adapter
         from service.model.peft import load_adapter
+        if self._adapter_reader is None:
+            self._adapter_reader = ThreadPoolExecutor(1, "adapter-reader", self._reader_start)
         for name, path in changes.items():
-            if path is None:
+            superseded = self._adapter_reads.pop(name, None)
+            if superseded is not None:
+                superseded.cancel()
+            if has_adapter(self.model, name):  # on a model without a registry, it would make one without the hooks
                 remove_adapter(self.model, name)
-            else:
-                add_adapter(self.model, name, load_adapter(path, self.device, self.dtype))
+            if path is not None:
+                self._adapter_reads[name] = self._adapter_reader.submit(load_adapter, path, self.device, self.dtype)
+
+    def _reader_start(self) -> None:
+        if self.device.type == "cuda":  # a thread starts on GPU 0: keep this rank's reads off another rank's GPU
+            torch.cuda.set_device(self.device)
+
+    def _install_adapter_reads(self, plan: StepPlan) -> None:
+        """Installs the adapters read since the last step, and waits for the reads of those this step uses (in a
+        slot it loads, or through the hooks). A read that failed raises here, as it did in the step before reads
+        moved to the thread: the worker ends, and the watchdog with it rank 0."""
+        from service.model.lora import add_adapter
+        used = {name for _, name in plan.lora_loads} | set(plan.adapters or ())
+        for name, read in list(self._adapter_reads.items()):
+            if read.done() or name in used:
+                del self._adapter_reads[name]
+                add_adapter(self.model, name, read.result())
 
     # -- start-up ----------------------------------------------------------------------------------------
     def _cache(self, num_blocks: int) -> KVCache:

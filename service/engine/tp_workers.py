@@ -5,8 +5,11 @@ holds).
 Rank 0 schedules and samples; every rank runs every step's forward pass. Each step, rank 0's runner sends its
 plan (service.engine.model_runner.StepPlan: which graph, and the inputs packed on the host) to each worker over a
 ZeroMQ PUSH socket, as a small msgpack header plus the numpy arrays' raw bytes (no pickle); the workers run it
-with ModelRunner.execute, whose collectives meet rank 0's. Start-up runs the same sequence on every rank (load
-the slices, size the KV cache from the rank's own memory and keep the smallest, warm up, capture CUDA graphs).
+with ModelRunner.execute, whose collectives meet rank 0's. A plan also carries the LoRA adapters rank 0 began or
+stopped serving since the last one: a worker reads their files on a thread of its own while steps run, and waits
+for a read only in a step that uses its adapter (ModelRunner._apply_adapter_changes). Start-up runs the same
+sequence on every rank (load the slices, size the KV cache from the rank's own memory and keep the smallest, warm
+up, capture CUDA graphs).
 
 A worker that dies leaves rank 0's collectives waiting forever: a watchdog thread in the engine core ends the
 core at once, which its launcher handles like any core death (requests fail, /health 503, exit 1). A worker ends
