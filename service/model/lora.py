@@ -293,11 +293,12 @@ class LoRASlots:
         install(model)
         self.model, self.count, self.max_rank, self.rank = model, count, max_rank, slot_rank(max_rank)
         weight = next(model.parameters())
-        self.layout: dict[str, tuple[int, int, int]] = {}  # projection -> (offset of A, in, out)
+        self.layout: dict[str, tuple[int, int, int, int]] = {}  # projection -> (offset of A, of B, in, out)
         size = 0
         for name, linear in target_linears(model).items():
-            self.layout[name] = (size, linear.in_features, linear.out_features)
-            size += self.rank * (linear.in_features + linear.out_features)
+            n_in, n_out = linear.in_features, linear.out_features
+            self.layout[name] = (size, size + self.rank * n_in, n_in, n_out)
+            size += self.rank * (n_in + n_out)
         self.storage = torch.zeros(count, size, device=weight.device, dtype=weight.dtype)
         self.scales = torch.zeros(count, device=weight.device, dtype=torch.float32)
         self.held: list[Adapter | None] = [None] * count  # the adapter each slot holds
@@ -346,10 +347,10 @@ class LoRASlots:
             served = {id(a) for a in self.model.lora_adapters.values()}
             self._packed = {k: v for k, v in self._packed.items() if k in served}  # adapters since removed
             flat = torch.zeros(self.storage.shape[1], dtype=self.storage.dtype)
-            for name, (a_at, n_in, n_out) in self.layout.items():
+            for name, (a_at, b_at, n_in, n_out) in self.layout.items():
                 if name in adapter.weights:
                     lora_a, lora_b = (t.detach().to("cpu", self.storage.dtype) for t in adapter.weights[name])
-                    r, b_at = lora_a.shape[0], a_at + self.rank * n_in
+                    r = lora_a.shape[0]
                     flat[a_at:b_at].view(self.rank, n_in)[:r] = lora_a
                     flat[b_at:b_at + self.rank * n_out].view(n_out, self.rank)[:, :r] = lora_b
             if self.storage.is_cuda:
@@ -362,8 +363,8 @@ class LoRASlots:
         tiles, row_slots = _local.slots_batch
         outputs = []
         for linear, y in projections:
-            a_at, n_in, _ = self.layout[linear._lora_name]
-            outputs.append((y.view(-1, y.shape[-1]), a_at, a_at + self.rank * n_in))
+            a_at, b_at, _, _ = self.layout[linear._lora_name]
+            outputs.append((y.view(-1, y.shape[-1]), a_at, b_at))
         x = x.reshape(-1, x.shape[-1])
         if x.is_cuda:
             from kernels.lora import lora_add_
@@ -390,8 +391,8 @@ def slot_lora(linears) -> tuple | None:
         return None
     parts = []
     for linear in linears:
-        a_at, n_in, n_out = slots.layout[linear._lora_name]
-        parts.append((n_out, a_at, a_at + slots.rank * n_in))
+        a_at, b_at, _, n_out = slots.layout[linear._lora_name]
+        parts.append((n_out, a_at, b_at))
     return slots.storage, slots.scales, _local.slots_batch[0], slots.rank, parts
 
 
