@@ -95,6 +95,15 @@ class _InFlight:
     verified: list[tuple[Sequence, list[int]]] = field(default_factory=list)  # speculative: each one's new tokens
 
 
+def _stop_reason(params: SamplingParams, token: int, eos: set[int]) -> str | None:
+    """"stop" for one of the request's stop tokens, "eos_token" for EOS unless it ignores EOS, else None."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if token in eos and not params.ignore_eos:
+        return "eos_token"
+    return None
+
+
 def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -539,12 +548,8 @@ class LLMEngine:
             token = tokens[row]
             seq.token_ids[pos] = token
             p, n_out = seq.params, pos + 1 - len(seq.prompt_token_ids)
-            reason = None
-            if token in p.stop_token_ids:
-                reason = "stop"
-            elif token in eos and not p.ignore_eos:
-                reason = "eos_token"
-            elif seq.matcher is not None:
+            reason = _stop_reason(p, token, eos)
+            if reason is None and seq.matcher is not None:
                 if not accepted.get(row, True):
                     log.error("request %s: token %d is outside its grammar", seq.request_id, token)
                     reason = "stop"
@@ -578,12 +583,9 @@ class LLMEngine:
             p = seq.params
             for token in tokens:
                 seq.token_ids.append(token)
-                reason = None
-                if token in p.stop_token_ids:
-                    reason = "stop"
-                elif token in eos and not p.ignore_eos:
-                    reason = "eos_token"
-                elif len(seq.token_ids) - seq.num_prompt_tokens >= p.max_new_tokens or len(seq.token_ids) >= max_len:
+                reason = _stop_reason(p, token, eos)
+                if reason is None and (len(seq.token_ids) - seq.num_prompt_tokens >= p.max_new_tokens
+                                       or len(seq.token_ids) >= max_len):
                     reason = "length"
                 outputs.append(RequestOutput(seq.request_id, token, finish_reason=reason))
                 if reason is not None:
