@@ -9,9 +9,10 @@ Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes,
 launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
 512-token context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside
 the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations
-against cuBLAS on each projection of both shapes at 1 and 16 rows.
+against cuBLAS on each projection of both shapes at 1 and 16 rows; --sections lora: kernels/lora.py's (the LoRA
+updates of larger steps) at 64 and 256 rows over 8 adapters.
 
-python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear] [--out DIR]
+python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora] [--out DIR]
 
 Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
 step_profile.json.
@@ -53,7 +54,7 @@ def median_ms(fn, repeat: int = 50) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--sections", default="prefill,decode,graphs,linear")
+    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -63,6 +64,8 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "weights": "random, in the models' shapes: times only"}
     if "linear" in sections:
         result["linear"] = sweep_linear()
+    if "lora" in sections:
+        result["lora"] = sweep_lora()
     if "graphs" in sections:
         result["graphs"] = {name: decode_graphs(config) for name, config in SHAPES.items()}
         print_graphs(result["graphs"])
@@ -227,26 +230,32 @@ def plot_graphs(graphs: dict, path: Path) -> None:
                  "Decode step: fused path vs module path (random weights, 512-token context)", figsize=(15, 5))
 
 
-def _graph_ms(fn, calls: int = 20) -> float:
-    """GPU time of fn in a CUDA graph of `calls` calls (the launches as a decode step's graph pays them)."""
-    fn()
+def _graph_ms(fn, calls: int = 24) -> float:
+    """GPU time of one call of fn(i) in a CUDA graph of calls i = 0 .. calls - 1 (the launches as a decode step's
+    graph pays them)."""
+    fn(0)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(i)
     return replay_ms(graph, 10) / calls
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (down)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (o and down, whose
+# consumer is kernels.elementwise.add_rms_norm_)
 LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)] + [
     (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1)]
-SPLIT_CONFIGS = [(16, 512, 4, 3, s) for s in (2, 4, 8)] + [(32, 512, 4, 3, s) for s in (2, 4)]
+SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)] + [
+    (32, 256, 4, 3, s) for s in (2, 4)]
+L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
 
 def sweep_linear() -> list[dict]:
     """Each projection of both shapes (q/k/v and gate/up fused) at 1 and 16 rows: cuBLAS (plus the separate SwiGLU
-    kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell."""
+    kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell.
+    Consecutive calls read different copies of the weight, more bytes than L2 holds: in a decode step every
+    projection's weight comes from HBM (one projection timed on one weight would find it in L2)."""
     from kernels.decode_linear import decode_linear
     from kernels.elementwise import silu_mul
 
@@ -257,30 +266,77 @@ def sweep_linear() -> list[dict]:
         q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
         for proj, (n, k, silu) in {"qkv": (q + 2 * kv, h, False), "o": (h, q, False),
                                    "gate_up": (2 * inter, h, True), "down": (h, inter, False)}.items():
-            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+            copies = max(2, -(-3 * L2_BYTES // (2 * n * k)))
+            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             for m in (1, 16):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 if silu:
-                    def cublas():
-                        y = torch.nn.functional.linear(x, w)
+                    def cublas(i):
+                        y = torch.nn.functional.linear(x, ws[i % copies])
                         silu_mul(y[:, :inter], y[:, inter:])
                 else:
-                    def cublas():
-                        torch.nn.functional.linear(x, w)
+                    def cublas(i):
+                        torch.nn.functional.linear(x, ws[i % copies])
                 timed = {}
-                for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj == "down" else []):
+                for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj in ("o", "down") else []):
                     try:
-                        timed[cfg] = _graph_ms(lambda cfg=cfg: decode_linear(x, w, silu_mul=silu, config=cfg,
-                                                                             partials=cfg[-1] > 1))
+                        timed[cfg] = _graph_ms(lambda i, cfg=cfg: decode_linear(
+                            x, ws[i % copies], silu_mul=silu, config=cfg, partials=cfg[-1] > 1))
                     except triton.runtime.errors.OutOfResources:  # shared memory: too many stages of this tile
                         continue
                 best = min(timed, key=timed.get)
                 row = {"shape": name, "proj": proj, "n": n, "k": k, "rows": m, "cublas_us": 1e3 * _graph_ms(cublas),
-                       "best_us": 1e3 * timed[best], "best": best,
+                       "best_us": 1e3 * timed[best], "best": best, "floor_us": 1e6 * 2 * n * k / COPY_BYTES_PER_S,
                        "configs_us": {str(cfg): 1e3 * t for cfg, t in timed.items()}}
                 rows_out.append(row)
-                print(f"{name:>14} {proj:>8} rows {m:>2}: cuBLAS {row['cublas_us']:6.1f} us, decode_linear "
-                      f"{row['best_us']:6.1f} us {best}", flush=True)
+                top = sorted(timed, key=timed.get)[:4]
+                print(f"{name:>14} {proj:>8} rows {m:>2}: floor {row['floor_us']:5.1f} us, cuBLAS "
+                      f"{row['cublas_us']:6.1f} us, decode_linear best " +
+                      ", ".join(f"{1e3 * timed[t]:.1f} {t}" for t in top), flush=True)
+            del ws
+    return rows_out
+
+
+LORA_CONFIGS = [(chunk, bk, st) for chunk in (64, 128, 256) for bk in (128, 256, 512) for st in (2, 3, 4)]
+
+
+def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
+    """kernels/lora.py beside cuBLAS (the steps of more than decode_linear's rows): each projection group of the
+    Qwen2.5-0.5B shape at 64 and 256 rows spread over `adapters` slots of rank `rank`, in each configuration
+    (N_CHUNK, BLOCK_K, num_stages), the slots' weights read from HBM as in a step."""
+    import numpy as np
+
+    from kernels.lora import lora_add_, lora_tiles, max_tiles
+
+    c = SHAPES["Qwen2.5-0.5B"]
+    h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    kv = c["num_key_value_heads"] * d
+    rows_out = []
+    for proj, (k, widths) in {"qkv": (h, [h, kv, kv]), "o": (h, [h]), "gate_up": (h, [inter, inter]),
+                              "down": (inter, [h])}.items():
+        parts, size = [], 0
+        for n in widths:
+            parts.append((size, size + rank * k))
+            size += rank * (k + n)
+        copies = min(256, max(2, -(-3 * L2_BYTES // (2 * adapters * size))))
+        lws = [torch.randn(adapters, size, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        scales = torch.ones(adapters, device="cuda")
+        for m in (64, 256):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.zeros(m, sum(widths), device="cuda", dtype=torch.bfloat16)
+            ys = y.split(widths, dim=1)
+            slots = np.arange(m, dtype=np.int32) % adapters
+            tiles = torch.from_numpy(lora_tiles(slots, max_tiles(m, adapters))).cuda()
+            timed = {cfg: _graph_ms(lambda i, cfg=cfg: lora_add_(
+                x, [(yp, a, b) for yp, (a, b) in zip(ys, parts)], lws[i % copies], scales, tiles, rank, config=cfg))
+                for cfg in LORA_CONFIGS}
+            best = min(timed, key=timed.get)
+            row = {"proj": proj, "rows": m, "adapters": adapters, "best_us": 1e3 * timed[best], "best": best,
+                   "configs_us": {str(cfg): 1e3 * t for cfg, t in timed.items()}}
+            rows_out.append(row)
+            print(f"lora_add_ {proj:>8} rows {m:>3}: " + ", ".join(
+                f"{1e3 * timed[t]:.1f} {t}" for t in sorted(timed, key=timed.get)[:4]), flush=True)
+        del lws
     return rows_out
 
 

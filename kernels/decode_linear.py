@@ -24,21 +24,27 @@ from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import BLOCK_M as TILE_ROWS
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
+LORA_BLOCK_K = 512  # the shrink's K tile (_lora_shrink)
 
 
 @triton.jit
-def _lora_shrink(X, stride_x, m, mine, weights, a_at, k_lo, k_hi, K, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _lora_shrink(X, stride_x, m, mine, weights, a_at, a2_at, k_lo, k_hi, K, RANK: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """t = x A^T [BLOCK_M, RANK] over K range [k_lo, k_hi) and the rows in `mine` (others 0), A [RANK, K] at
-    weights + a_at."""
+    weights + a_at; TWO: also t2 = x A2^T, A2 at a2_at (gate's and up's shrinks in one pass over x). It runs after
+    the weight's loop, a chain of loads each program waits on: BLOCK_K is large so that the chain is short."""
     r = tl.arange(0, RANK)
     t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    t2 = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=mine[:, None] & (k[None, :] < k_hi), other=0.0)
         a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=k[:, None] < k_hi, other=0.0)
         t += tl.dot(x, a, input_precision=DOT_PRECISION)
-    return t
+        if TWO:
+            a = tl.load(weights + a2_at + r[None, :] * K + k[:, None], mask=k[:, None] < k_hi, other=0.0)
+            t2 += tl.dot(x, a, input_precision=DOT_PRECISION)
+    return t, t2
 
 
 @triton.jit
@@ -53,8 +59,10 @@ def _lora_expand(t, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECIS
 def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                           LW, stride_lw, SCALES, TILES, N0, N1, A0, A1, A2, B0, B1, B2,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
+                          TILES_PADDED: tl.constexpr,
                           TILE_ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LORA_BLOCK_K: tl.constexpr,
+                          SPLIT_K: tl.constexpr,
                           DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
@@ -107,21 +115,23 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                 a_at, b_at, n_local = A2, B2, n - N0 - N1
             elif n_start >= N0:
                 a_at, b_at, n_local = A1, B1, n - N0
-        for j in range(NUM_TILES):
-            tile = TILES + j * (1 + TILE_ROWS)
-            slot = tl.load(tile)
+        # Every tile's slot in one load, not one dependent load per tile; the loop stops after the last used tile
+        # (lora_tiles puts them first).
+        tile_ids = tl.arange(0, TILES_PADDED)
+        slots = tl.load(TILES + tile_ids * (1 + TILE_ROWS), mask=tile_ids < NUM_TILES, other=-1)
+        for j in range(tl.max(tl.where(slots >= 0, tile_ids + 1, 0), 0)):
+            slot = tl.sum(tl.where(tile_ids == j, slots, 0), 0)
             if slot >= 0:
-                rows = tl.load(tile + 1 + tl.arange(0, TILE_ROWS))
+                rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
                 mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
                 weights = LW + slot.to(tl.int64) * stride_lw
                 scale = tl.load(SCALES + slot)
-                t = _lora_shrink(X, stride_x, m, mine, weights, a_at, k_lo, k_hi, K, RANK, BLOCK_M, BLOCK_K,
-                                 DOT_PRECISION)
+                t, t_up = _lora_shrink(X, stride_x, m, mine, weights, a_at, A1, k_lo, k_hi, K, RANK, BLOCK_M,
+                                       LORA_BLOCK_K, SILU_MUL, DOT_PRECISION)
                 acc += _lora_expand((t * scale).to(dtype), weights, b_at, n_local, n_ok, RANK, DOT_PRECISION)
                 if SILU_MUL:
-                    t = _lora_shrink(X, stride_x, m, mine, weights, A1, k_lo, k_hi, K, RANK, BLOCK_M, BLOCK_K,
-                                     DOT_PRECISION)
-                    acc_up += _lora_expand((t * scale).to(dtype), weights, B1, n_local, n_ok, RANK, DOT_PRECISION)
+                    acc_up += _lora_expand((t_up * scale).to(dtype), weights, B1, n_local, n_ok, RANK,
+                                           DOT_PRECISION)
         if SILU_MUL:  # the projections' outputs are rounded before the gate, as in the unfused layer
             acc = acc.to(dtype).to(tl.float32)
             acc_up = acc_up.to(dtype).to(tl.float32)
@@ -132,12 +142,16 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
 
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits), measured on the H100 for the Qwen2.5-0.5B and Llama-3.2-1B
-# shapes at 1 and 16 rows (benchmarks/step_profile.py --sections linear): few columns per program for the square
-# projections (more programs stream the weight), wide ones for gate-up (two weight tiles per step).
+# shapes at 1 and 16 rows with each call reading its weight from HBM, as in a decode step (benchmarks/step_profile.py
+# --sections linear). A projection of a few MB is bound by latency more than by bytes: splitting K gives it more
+# programs in flight (o of Qwen2.5-0.5B: 1.7 us in 4 splits, 2.8 whole; down: 5.2 against 6.9), so projections
+# whose consumer adds partial sums take them; gate-up needs whole sums for its gate.
 def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
     if silu_mul:
-        return (64 if n <= 6144 else 32), 128, 4, 3, 1
-    return 16, 512, 4, 3, (4 if partials and k >= 4096 else 1)
+        return 32, (128 if k < 2048 else 256), 4, 3, 1
+    if partials:
+        return 32, 256, 4, 3, 4
+    return (16, 512, 4, 3, 1) if k < 2048 else (32, 256, 4, 4, 1)
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
@@ -150,7 +164,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     silu_mul: gate's and up's, N_p = N)) adds each tiled row's adapter update to each projection's columns.
 
     partials (not with silu_mul): float32 partial sums [S, M, N] over S ranges of K (S = 1 where splitting does
-    not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_)."""
+    not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_, apply_rope_)."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if rows > MAX_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
@@ -160,6 +174,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise ValueError("the SwiGLU gate needs whole sums: no partials with silu_mul")
     block_n, block_k, warps, stages, splits = config or _config(n, k, silu_mul, partials)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    splits = min(splits, triton.cdiv(k, block_k))
     k_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     if partials:
         y = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
@@ -169,6 +184,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         lw, scales, tiles, rank, parts = y, y, y, 16, [(n, 0, 0)]
     else:
         lw, scales, tiles, rank, parts = lora
+        while not silu_mul and block_n > 16 and any(p[0] % block_n for p in parts[:-1]):
+            block_n //= 2  # projections whose widths the configured tile does not divide
         straddles = not silu_mul and any(p[0] % block_n for p in parts[:-1])
         if sum(p[0] for p in parts) != n * (2 if silu_mul else 1) or straddles:
             raise ValueError(f"LoRA projections {[p[0] for p in parts]} must tile the {n} columns by {block_n}")
@@ -178,8 +195,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
             x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
             lw, lw.stride(0), scales, tiles, parts[0][0], parts[1][0], *(p[1] for p in parts), *(p[2] for p in parts),
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles, TILE_ROWS=TILE_ROWS, RANK=rank,
-            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
+            TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+            LORA_BLOCK_K=max(block_k, min(LORA_BLOCK_K, triton.next_power_of_2(k_split))), SPLIT_K=splits,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))
     return y

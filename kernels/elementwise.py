@@ -47,6 +47,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _summed(ptr, stride_split, mask, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """A projection's output at ptr in float32: SPLITS > 1 partial sums over ranges of its K (kernels.decode_linear
+    partials), stride_split apart, added in a fixed order; rounded to `dtype` as the layer rounds the projection."""
+    x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        x += tl.load(ptr + s * stride_split, mask=mask, other=0.0).to(tl.float32)
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res, stride_out, n_cols,
                          eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/configs.py
@@ -55,11 +65,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_split, stride_x,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < n_cols
-    x = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(SPLITS):  # partial sums of a projection over ranges of its K, in a fixed order
-        x += tl.load(x_ptr + s * stride_split + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     dtype = res_ptr.dtype.element_ty
-    x = x.to(dtype).to(tl.float32)  # the projection's output, rounded as the layer rounds it
+    x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
     res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
     # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
     total = (res + x).to(dtype)
@@ -87,25 +94,28 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_tok, stride_head, token, n_heads, cos, sin, out_ptr, stride_out_head,
-                  HALF: tl.constexpr, HEADS: tl.constexpr):
-    """Rotates one token's heads of x into out (out_ptr: that token's row; x's own row rotates in place)."""
+def _rotate_heads(x_row, stride_split, stride_head, n_heads, cos, sin, out_row, stride_out_head,
+                  HALF: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr):
+    """Rotates one token's heads of x (x_row: that token's row, SPLITS partial sums stride_split apart) into out
+    (out_row: that token's row there; x's own row rotates in place)."""
     heads = tl.arange(0, HEADS)[:, None]
     cols = tl.arange(0, HALF)[None, :]
     ok = heads < n_heads
-    first = x_ptr + token * stride_tok + heads * stride_head + cols
-    x1 = tl.load(first, mask=ok).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=ok).to(tl.float32)
-    out = out_ptr + heads * stride_out_head + cols
-    tl.store(out, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)
+    dtype = out_row.dtype.element_ty
+    first = x_row + heads * stride_head + cols
+    x1 = _summed(first, stride_split, ok, SPLITS, dtype)
+    x2 = _summed(first + HALF, stride_split, ok, SPLITS, dtype)
+    out = out_row + heads * stride_out_head + cols
+    tl.store(out, (x1 * cos - x2 * sin).to(dtype), mask=ok)
+    tl.store(out + HALF, (x2 * cos + x1 * sin).to(dtype), mask=ok)
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-                 stride_cs, n_heads, n_heads_k, v_ptr, stride_v_tok, stride_v_head, slot_ptr, k_cache, v_cache,
-                 stride_cache_slot, stride_cache_head, HALF: tl.constexpr, HEADS: tl.constexpr,
-                 HEADS_K: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
+def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, q_out_ptr, stride_split, stride_q_tok, stride_q_head,
+                 stride_k_tok, stride_k_head, stride_q_out_tok, stride_q_out_head, stride_cs, n_heads, n_heads_k,
+                 v_ptr, stride_v_tok, stride_v_head, slot_ptr, k_cache, v_cache, stride_cache_slot,
+                 stride_cache_head, HALF: tl.constexpr, HEADS: tl.constexpr, HEADS_K: tl.constexpr,
+                 SPLITS: tl.constexpr, STORE: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -114,47 +124,55 @@ def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_sin_ptr, stride_q_tok, stride_q_head
     cols = tl.arange(0, HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * stride_cs + cols)
     sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + cols)
-    q_row = q_ptr + token * stride_q_tok
-    _rotate_heads(q_ptr, stride_q_tok, stride_q_head, token, n_heads, cos, sin, q_row, stride_q_head, HALF, HEADS)
+    _rotate_heads(q_ptr + token * stride_q_tok, stride_split, stride_q_head, n_heads, cos, sin,
+                  q_out_ptr + token * stride_q_out_tok, stride_q_out_head, HALF, HEADS, SPLITS)
     if STORE:  # k rotated, and v as it is, into the token's paged-cache slot (-1: padding, nothing written)
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
-            k_row = k_cache + slot * stride_cache_slot
-            _rotate_heads(k_ptr, stride_k_tok, stride_k_head, token, n_heads_k, cos, sin, k_row, stride_cache_head,
-                          HALF, HEADS_K)
+            _rotate_heads(k_ptr + token * stride_k_tok, stride_split, stride_k_head, n_heads_k, cos, sin,
+                          k_cache + slot * stride_cache_slot, stride_cache_head, HALF, HEADS_K, SPLITS)
             heads = tl.arange(0, HEADS_K)[:, None]
             d = tl.arange(0, 2 * HALF)[None, :]
             ok = heads < n_heads_k
-            v = tl.load(v_ptr + token * stride_v_tok + heads * stride_v_head + d, mask=ok)
+            v = _summed(v_ptr + token * stride_v_tok + heads * stride_v_head + d, stride_split, ok, SPLITS,
+                        v_cache.dtype.element_ty)
             tl.store(v_cache + slot * stride_cache_slot + heads * stride_cache_head + d, v, mask=ok)
     else:
         k_row = k_ptr + token * stride_k_tok
-        _rotate_heads(k_ptr, stride_k_tok, stride_k_head, token, n_heads_k, cos, sin, k_row, stride_k_head, HALF,
-                      HEADS_K)
+        _rotate_heads(k_row, stride_split, stride_k_head, n_heads_k, cos, sin, k_row, stride_k_head, HALF, HEADS_K,
+                      SPLITS)
 
 
 def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, store=None):
     """Rotates q [tokens, heads, head_dim] and k [tokens, heads_k, head_dim] in place (the half-split layout of
     Hugging Face checkpoints) by the angles of each token's position: cos_sin float32 [positions, head_dim], the
-    cosines then the sines. head_dim must be a power of two (every Llama-family model's is).
+    cosines then the sines. head_dim must be a power of two (every Llama-family model's is). Returns (q, k).
 
     store: (v, k_cache, v_cache, slot_mapping): instead of rotating k in place, writes rotated k and v into each
     token's slot of the paged caches [num_blocks, block_size, heads_k, head_dim] (kvcache.store's layout; slot -1
-    writes nothing), saving the store's launch and a pass over k."""
-    tokens, heads, head_dim = q.shape
+    writes nothing), saving the store's launch and a pass over k. Then q, k and v may also be float32 partial sums
+    [splits, tokens, heads, head_dim] of the q/k/v projection (kernels.decode_linear partials), added up here: the
+    rotated q is then a new tensor [tokens, heads, head_dim] of the caches' dtype."""
+    *splits, tokens, heads, head_dim = q.shape
     if head_dim & (head_dim - 1) or q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError(f"need a power-of-two head_dim with unit stride, got {head_dim}")
     v, k_cache, v_cache, slots = store if store is not None else (k, k, k, positions)
     if store is not None and (v.stride(-1) != 1 or not k_cache.is_contiguous() or k_cache.shape != v_cache.shape
-                              or k_cache.shape[2:] != k.shape[1:]):
+                              or k_cache.shape[2:] != k.shape[-2:]):
         raise ValueError("store needs v with unit stride and contiguous caches [blocks, block_size, heads_k, dim]")
+    if splits and (store is None or splits[0] > 1 and not q.stride(0) == k.stride(0) == v.stride(0)):
+        raise ValueError("partial sums q, k, v [splits, tokens, heads, dim] of one projection need store")
+    q_out = torch.empty(q.shape[-3:], dtype=k_cache.dtype, device=q.device) if splits else q
     if tokens:
-        _rope_kernel[(tokens,)](q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                cos_sin.stride(0), heads, k.shape[1], v, v.stride(0), v.stride(1), slots, k_cache,
-                                v_cache, k.shape[1] * head_dim, head_dim, HALF=head_dim // 2,
-                                HEADS=triton.next_power_of_2(heads), HEADS_K=triton.next_power_of_2(k.shape[1]),
-                                STORE=store is not None, **pdl_launch(q.device))
-    return q, k
+        # (a view's stride over one split is arbitrary: read only where there are several)
+        _rope_kernel[(tokens,)](q, k, positions, cos_sin, q_out, q.stride(0) if splits and splits[0] > 1 else 0,
+                                q.stride(-3),
+                                q.stride(-2), k.stride(-3), k.stride(-2), q_out.stride(0), q_out.stride(1),
+                                cos_sin.stride(0), heads, k.shape[-2], v, v.stride(-3), v.stride(-2), slots, k_cache,
+                                v_cache, k.shape[-2] * head_dim, head_dim, HALF=head_dim // 2,
+                                HEADS=triton.next_power_of_2(heads), HEADS_K=triton.next_power_of_2(k.shape[-2]),
+                                SPLITS=splits[0] if splits else 1, STORE=store is not None, **pdl_launch(q.device))
+    return q_out, k
 
 
 @triton.jit

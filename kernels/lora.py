@@ -101,29 +101,34 @@ def _lora_kernel(X, W, SCALES, TILES, Y0, Y1, Y2, stride_x, stride_w, stride_y0,
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
-              scales: torch.Tensor, tiles: torch.Tensor, rank: int) -> None:
+              scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None) -> None:
     """For up to three projections of one input x [T, K] (q, k and v, say): y [T, N] += scale_s * (x A_s^T) B_s^T
     for the rows of each slot s listed in tiles (lora_tiles, on the device), in place, in one launch. outputs:
     (y, offset of A, offset of B) per projection, A [rank, K] and B [N, rank] at those offsets of each slot's row
-    of weights [slots, size] (scales [slots]); y may be a column slice of a wider tensor."""
+    of weights [slots, size] (scales [slots]); y may be a column slice of a wider tensor. config: (N_CHUNK,
+    BLOCK_K, num_stages) instead of _config's."""
     (t, k), ys = x.shape, [y for y, _, _ in outputs]
     if x.stride(1) != 1 or weights.stride(1) != 1 or any(y.stride(1) != 1 for y in ys) or not 1 <= len(ys) <= 3:
         raise ValueError("lora_add_ needs one to three outputs, all with unit column strides")
     if t == 0 or tiles.shape[0] == 0:
         return
     padded = outputs + [(ys[0][:, :0], 0, 0)] * (3 - len(outputs))
-    # Few tiles (a decode step): many programs per tile, each over 64 columns, with a deep load pipeline for the
-    # shrink; many tiles: 256 columns each. The best of seven configurations timed on the H100 for the Qwen2.5-0.5B
-    # shape at batch 1, 64 and 256 (benchmarks/results/README.md, LoRA).
-    few = tiles.shape[0] <= 32
-    n_chunk = 64 if few else 256
+    n_chunk, block_k, stages = config or _config(tiles.shape[0], sum(y.shape[1] for y in ys), k)
     chunks = sum(triton.cdiv(y.shape[1], n_chunk) for y in ys)
     _lora_kernel[(tiles.shape[0], chunks)](
         x, weights, scales, tiles, *(y for y, _, _ in padded), x.stride(0), weights.stride(0),
         *(y.stride(0) for y, _, _ in padded), k, *(y.shape[1] for y, _, _ in padded),
         *(a for _, a, _ in padded), *(b for _, _, b in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64,
-        BLOCK_K=min(128, max(16, triton.next_power_of_2(k))), N_CHUNK=n_chunk, num_warps=4,
-        num_stages=4 if few else 2)
+        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), N_CHUNK=n_chunk, num_warps=4, num_stages=stages)
+
+
+def _config(num_tiles: int, n: int, k: int) -> tuple[int, int, int]:
+    """(N_CHUNK, BLOCK_K, num_stages) for `num_tiles` tiles, outputs n columns wide in all, and K = k. Timed on the
+    H100 with the slots' weights read from HBM (benchmarks/step_profile.py --sections lora, Qwen2.5-0.5B shape, 64
+    and 256 rows over 8 adapters): wide chunks for wide outputs (gate-up: 9.3 us against 17.0 for 64 columns at 64
+    rows) and for many tiles (fewer shrinks recomputed per row), a long K tile for a long K (down: 10.1 against
+    14.6), 128 columns and 128-long K tiles otherwise."""
+    return (256 if n >= 4096 or num_tiles > 16 else 128), (512 if k >= 4096 else 128), 3
 
 
 def lora_add_ref(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,

@@ -77,7 +77,7 @@ def test_refuses_projections_that_straddle_a_block(device):
 
 @pytest.mark.parametrize("lora_rows", [0, 3])
 def test_partial_sums_over_k_add_up_to_the_projection(device, lora_rows):
-    """A tall projection (K >= 4096) split over K: the float32 partials sum to the reference, LoRA rows included."""
+    """A projection split over K: the float32 partials sum to the reference, LoRA rows included."""
     rows, k, n, rank = 3, 4200, 48, 16
     gen = torch.Generator().manual_seed(7)
     dtype = torch.float16

@@ -121,3 +121,28 @@ def test_add_rms_norm_adds_up_a_projections_partial_sums(device):
     out = add_rms_norm_(partials, residual, weight, 1e-6)
     assert rel_err(residual, total) < 1e-3
     assert rel_err(out, rms_norm_ref(total, weight, 1e-6)) < 2e-3
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits,tokens", [(3, 5), (1, 1)])  # one split of one token: views' strides are arbitrary
+def test_rope_adds_up_a_projections_partial_sums_into_q_and_the_cache(device, dtype, splits, tokens):
+    from kvcache.store import store_kv_ref
+    heads, heads_k, head_dim, block = 7, 1, 32, 8
+    rotary = RotaryEmbedding(head_dim, 4096, 1e6, None).to(device)
+    positions = torch.randint(0, 4096, (tokens,), device=device)
+    partials = torch.randn(splits, tokens, (heads + 2 * heads_k) * head_dim, device=device)
+    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in partials.split(
+        [heads * head_dim, heads_k * head_dim, heads_k * head_dim], dim=-1))
+    slots = torch.randperm(3 * block, device=device)[:tokens]
+    slots[tokens // 2] = -1 if tokens > 1 else slots[0]
+    whole = [t.sum(0).to(dtype).float() for t in (q, k, v)]  # the projection as the layer rounds it
+    ref_q, ref_k = apply_rope_ref(whole[0], whole[1], positions, rotary.cos_sin)
+    ref_caches = [torch.zeros(3, block, heads_k, head_dim, device=device) for _ in range(2)]
+    store_kv_ref(ref_k, whole[2], *ref_caches, slots)
+    caches = [torch.zeros(3, block, heads_k, head_dim, device=device, dtype=dtype) for _ in range(2)]
+    out_q, _ = apply_rope_(q, k, positions, rotary.cos_sin, store=(v, *caches, slots))
+    assert out_q.shape == (tokens, heads, head_dim) and out_q.dtype == dtype
+    assert rel_err(out_q, ref_q) < _tol(dtype)
+    assert rel_err(caches[0], ref_caches[0]) < _tol(dtype) and torch.equal(caches[1], ref_caches[1].to(dtype))
+    with pytest.raises(ValueError, match="need store"):
+        apply_rope_(q, k, positions, rotary.cos_sin)

@@ -101,11 +101,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions, q, k, store=None):
         """q/k [..., tokens, heads, head_dim] with positions [..., tokens]. Inference on CUDA rotates q and k in
         place (they are fresh projections). store (v, k_cache, v_cache, slot_mapping): also writes the rotated k
-        and v into the paged cache (kvcache.store), in the same kernel on CUDA."""
+        and v into the paged cache (kvcache.store), in the same kernel on CUDA, where q, k and v may also be a
+        projection's float32 partial sums (kernels.elementwise.apply_rope_). Returns the rotated (q, k)."""
         if _train_kernels(q) and store is None and self.head_dim & (self.head_dim - 1) == 0:
             from kernels.training import apply_rope
             return apply_rope(q, k, positions, self.cos_sin)
-        if _use_kernels(q) and q.dim() == 3 and self.head_dim & (self.head_dim - 1) == 0:
+        if _use_kernels(q) and (q.dim() == 3 or store is not None) and self.head_dim & (self.head_dim - 1) == 0:
             from kernels.elementwise import apply_rope_
             return apply_rope_(q, k, positions, self.cos_sin, store=store)
         q, k = apply_rope_ref(q, k, positions, self.cos_sin)

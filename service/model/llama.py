@@ -40,16 +40,21 @@ class Attention(nn.Module):
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata):
-        """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel."""
+        """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel. Up to
+        decode_linear's rows, both projections hand float32 partial sums over ranges of K to the kernel after them
+        (more programs stream the weight), except where the q/k norms need whole q and k, or o's output is
+        all-reduced first."""
         rows, d = x.shape[0], self.head_dim
-        qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj))
-        q, k, v = (t.view(rows, -1, d) for t in qkv.split([self.num_heads * d, self.num_kv_heads * d,
-                                                            self.num_kv_heads * d], dim=1))
+        qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj),
+                               partials=not hasattr(self, "q_norm"))
+        q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([self.num_heads * d, self.num_kv_heads * d,
+                                                                self.num_kv_heads * d], dim=-1))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))
+        q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
         out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
-        return all_reduce(fused_projection(out, self.o_proj.weight, None, (self.o_proj,)), self.tp)
+        projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1)
+        return all_reduce(projected, self.tp)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0):
         if meta is not None and fused_inference(self, "qkv_weight", x):
