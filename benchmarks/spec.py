@@ -3,17 +3,24 @@
 1. verify_cost: one step of B decoding sequences (context ~`--context` tokens) scoring k = 2, 4, 8 draft tokens
    each (k + 1 query rows through the prefill path, its CUDA graphs when they hold the step), against a plain decode
    step (k = 0, a decode graph), at B = 1, 8, 32: median ms of `--reps` runs of the runner.
-2. forced_acceptance: tokens/s of greedy generation whose drafts are the reference output itself, each draft token
-   kept with probability `alpha` (else replaced, so verification rejects it there): the speedup as a function of the
-   acceptance rate, k = 4, against no speculation, with the acceptance back-off (`speculative_min_acceptance`, its
-   default) and without it (`no_backoff`): where the latter's speedup falls below 1 the back-off should recover it.
+2. forced_acceptance: tokens/s of greedy generation whose verification is forced to keep each draft token with
+   probability `alpha` (ForcedAcceptance): the speedup as a function of the acceptance rate, k = 4, against no
+   speculation, with the acceptance back-off (`speculative_min_acceptance`, its default) and without it
+   (`no_backoff`): where the latter's speedup falls below 1 the back-off should recover it.
 3. copy_heavy_vs_free: the n-gram proposer on the embedded (trained) model, prompts that repeat a fortune (the
    output copies it) against prompts that do not: tokens/s with and without speculation (and without the back-off),
    and the acceptance rate.
 
+4. draft_model: single-stream tokens/s of greedy generation with a draft model (service/engine/draft_model.py),
+   k = 4, against no speculation: the target as its own draft (every draft accepted: the machinery's best case, a
+   second model's steps paid in full) and a draft of the target's first layers. On CUDA the target has random bf16
+   weights in Qwen2.5-0.5B's shape (the one of `--random-qwen`): random weights cannot show a real draft's
+   acceptance (its first layers' guesses are rarely the whole model's), only what drafting costs at either end.
+
 Sections 1 and 2 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
 (benchmarks/generate.py), where a step is bound by memory and speculation can pay. `--device cpu` is a smoke run
-(tiny sizes, CI: tests/test_spec_benchmark.py); the numbers mean something on the GPU only.
+(tiny sizes, the embedded model everywhere, CI: tests/test_spec_benchmark.py); the numbers mean something on the
+GPU only.
 
 python benchmarks/spec.py [--device cuda|cpu] [--random-qwen] [--sections verify_cost,...] [--out DIR]
 """
@@ -33,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
+from service.engine import speculative  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.engine.scheduler import ScheduledBatch  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -98,24 +106,24 @@ def verify_cost(model: str | None, device: str, batches: list[int], ks: list[int
     return rows
 
 
-class ForcedProposer:
-    """Drafts the reference output's next tokens; each kept with probability alpha, the first one not kept replaced
-    by a wrong token (verification rejects it, and nothing after it counts)."""
+class ForcedAcceptance:
+    """A proposer and a greedy verification forced to acceptance alpha: drafts k arbitrary tokens, and in place of
+    speculative.accept_greedy keeps each with probability alpha up to the first one not kept, then takes the
+    target's token there. The steps are those of a proposer at acceptance alpha whatever the weights (with random
+    ones no proposer agrees with the target, and bf16 verify and decode kernels round near ties apart, so drafts
+    taken from a reference output stop matching soon); the tokens generated are not the model's: times only."""
 
-    def __init__(self, reference: dict[tuple, list[int]], alpha: float, seed: int = 0):
-        self.reference, self.alpha, self.rng = reference, alpha, random.Random(seed)
+    def __init__(self, alpha: float, seed: int = 0):
+        self.alpha, self.rng = alpha, random.Random(seed)
 
     def propose(self, seqs, limits):
-        drafts = []
-        for seq, k in zip(seqs, limits):
-            done = len(seq.token_ids) - seq.num_prompt_tokens
-            truth = self.reference[tuple(seq.prompt_token_ids)][done:done + k]
-            for j, token in enumerate(truth):
-                if self.rng.random() >= self.alpha:
-                    truth = truth[:j] + [(token + 1) % 4000 + 10]
-                    break
-            drafts.append(truth)
-        return drafts
+        return [[seq.token_ids[-1]] * k for seq, k in zip(seqs, limits)]
+
+    def accept(self, draft: list[int], targets: list[int]) -> list[int]:
+        kept = 0
+        while kept < len(draft) and self.rng.random() < self.alpha:
+            kept += 1
+        return draft[:kept] + [targets[kept]]
 
 
 def generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list[int]], float]:
@@ -134,7 +142,7 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
         # back-off), and a later run must not prefill less than the first.
         plain = LLM(model, device=device, enable_prefix_caching=False)
         generate(plain, prompts[:1], params)  # warm-up
-        reference, seconds = generate(plain, prompts, params)
+        _, seconds = generate(plain, prompts, params)
         plain.engine.close()
         del plain
         free_memory()
@@ -142,22 +150,23 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
         spec = LLM(model, device=device, speculative_method="ngram", num_speculative_tokens=k,
                    enable_prefix_caching=False)
         generate(spec, prompts[:1], params)
-        by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
 
         def run(llm: LLM, alpha: float, min_acceptance: float) -> dict:
             """One generation of the batch at acceptance alpha; drafts: sequences verified, backoffs: pauses."""
-            speculator = llm.engine.speculator
-            speculator.proposer, speculator.min_acceptance = ForcedProposer(by_prompt, alpha), min_acceptance
+            speculator, forced = llm.engine.speculator, ForcedAcceptance(alpha)
+            speculator.proposer, speculator.min_acceptance = forced, min_acceptance
             s = speculator.stats
             before = s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
-            tokens, seconds = generate(llm, prompts, params)
+            greedy, speculative.accept_greedy = speculative.accept_greedy, forced.accept
+            try:
+                _, seconds = generate(llm, prompts, params)
+            finally:
+                speculative.accept_greedy = greedy
             drafts, drafted, accepted, backoffs = (
                 now - then for now, then in zip((s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs), before))
             return {"tokens_per_s": batch_size * new_tokens / seconds, "acceptance": accepted / max(drafted, 1),
                     "speedup": batch_size * new_tokens / seconds / row["plain_tokens_per_s"],
-                    "drafts": drafts, "backoffs": backoffs,
-                    # exact in float32; bf16 verify and decode kernels may round a near tie apart
-                    "identical_to_plain": tokens == reference}
+                    "drafts": drafts, "backoffs": backoffs}
 
         for alpha in alphas:
             row[f"alpha{alpha}"] = {**run(spec, alpha, DEFAULT_MIN_ACCEPTANCE), "no_backoff": run(spec, alpha, 0.0)}
@@ -203,21 +212,95 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
     return rows
 
 
+def fewer_layers(src: Path, dst: Path, layers: int) -> Path:
+    """A checkpoint of src's first `layers` layers, with its embeddings, final norm and head: a draft of the same
+    vocabulary and shape, cheaper per token."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    tensors = {}
+    for shard in sorted(src.glob("*.safetensors")):
+        with safe_open(shard, framework="pt") as f:
+            for name in f.keys():
+                if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers:
+                    tensors[name] = f.get_tensor(name)
+    dst.mkdir(parents=True)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dst / name)
+    return dst
+
+
+def spec_totals(llm: LLM) -> tuple[int, int, int, int]:
+    """The engine's speculation counters: sequences verified, draft tokens, accepted ones, back-off pauses."""
+    s = llm.engine.speculator.stats
+    return s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
+
+
+def draft_model(target: Path, random_weights: bool, device: str, new_tokens: int, k: int, draft_layers: int) -> dict:
+    """Tokens/s of one greedy stream without speculation, with the target as its own draft, and with its first
+    `draft_layers` layers as the draft; acceptance and whether the tokens are plain decoding's."""
+    prompt = [random.randrange(10, 4000) for _ in range(128)]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    tmp = Path(tempfile.mkdtemp(prefix="bench-draft-"))
+    target_layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    result = {"k": k, "new_tokens": new_tokens, "target_layers": target_layers, "draft_layers": draft_layers,
+              "note": "random weights (Qwen2.5-0.5B's shape) cannot show a real draft's acceptance: fewer_layers "
+                      "shows what drafting costs when little is accepted, same_checkpoint (every draft accepted) "
+                      "the machinery's best case" if random_weights else
+                      "the embedded model, a smoke run: its steps are bound by the host, not by reading weights"}
+    try:
+        drafts = {"plain": None, "same_checkpoint": target,
+                  "fewer_layers": fewer_layers(target, tmp / "draft", draft_layers)}
+        for name, draft in drafts.items():
+            spec = dict(speculative_method="draft_model", speculative_model=str(draft),
+                        num_speculative_tokens=k) if draft else {}
+            # No prefix cache: the timed run repeats the warm-up's prompt, and must prefill it all again.
+            llm = LLM(str(target), device=device, enable_prefix_caching=False, **spec)
+            generate(llm, [prompt], params)  # warm-up
+            before = spec_totals(llm) if draft else None
+            (tokens,), seconds = generate(llm, [prompt], params)
+            row = {"tokens_per_s": new_tokens / seconds}
+            if draft is None:
+                reference = tokens
+            else:
+                verified, drafted, accepted, backoffs = (now - then for now, then in zip(spec_totals(llm), before))
+                row |= {"speedup": row["tokens_per_s"] / result["plain"]["tokens_per_s"],
+                        "acceptance": accepted / max(drafted, 1), "drafts": verified,
+                        "mean_accepted_per_draft": accepted / max(verified, 1), "backoffs": backoffs,
+                        # exact in float32; bf16 verify and decode kernels may round a near tie apart
+                        "identical_to_plain": tokens == reference}
+            result[name] = row
+            llm.engine.close()
+            del llm
+            free_memory()
+            print(json.dumps({name: row}), flush=True)
+    finally:
+        shutil.rmtree(tmp)
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--random-qwen", action="store_true", help="sections 1-2 on Qwen2.5-0.5B-shaped weights")
-    parser.add_argument("--sections", default="verify_cost,forced_acceptance,copy_heavy_vs_free",
+    parser.add_argument("--sections", default="verify_cost,forced_acceptance,copy_heavy_vs_free,draft_model",
                         help="comma list of the sections to run (each starts engines of its own)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     random.seed(0)
     smoke = args.device == "cpu"
     tmp, model = None, None
-    if args.random_qwen:
+    names = args.sections.split(",")
+    # The draft-model section times the random Qwen shape on CUDA, with or without --random-qwen.
+    if args.random_qwen or not smoke and "draft_model" in names:
         from benchmarks.generate import write_checkpoint
         tmp = Path(tempfile.mkdtemp(prefix="bench-spec-"))
         write_checkpoint(tmp)
+    if args.random_qwen:
         model = str(tmp)
     sections = {
         "verify_cost": lambda: verify_cost(model, args.device, [1, 2] if smoke else [1, 8, 32],
@@ -226,11 +309,13 @@ def main():
                                                        [0.0, 1.0] if smoke else [0.0, 0.5, 0.8, 1.0],
                                                        12 if smoke else 256, 4),
         "copy_heavy_vs_free": lambda: copy_heavy_vs_free(args.device, 2 if smoke else 32, 12 if smoke else 128, 4),
+        "draft_model": lambda: draft_model(DEFAULT_MODEL_DIR if smoke else tmp, not smoke, args.device,
+                                           12 if smoke else 256, 4, 2 if smoke else 4),
     }
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
               "model": "random Qwen2.5-0.5B shape" if model else "embedded default model"}
     try:
-        for name in args.sections.split(","):
+        for name in names:
             result[name] = sections[name]()
     finally:
         if tmp is not None:

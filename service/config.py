@@ -75,10 +75,13 @@ class Settings(BaseSettings):
                            "adapters wait for a slot; 0: adapters are served eagerly")
     max_lora_rank: int = Field(16, ge=1, le=256, description="highest LoRA rank a slot holds (memory grows with it); "
                                "adapters of higher rank, and dense ones, are served eagerly")
-    speculative_method: Literal["ngram"] | None = Field(None, description="speculative decoding: ngram proposes "
-                                                        "the tokens that followed the latest earlier occurrence of a "
-                                                        "sequence's last tokens (prompt lookup); the model verifies "
-                                                        "them in one step. Unset: off")
+    speculative_method: Literal["ngram", "draft_model"] | None = Field(
+        None, description="speculative decoding: ngram proposes the tokens that followed the latest earlier "
+        "occurrence of a sequence's last tokens (prompt lookup); draft_model has a smaller model "
+        "(speculative_model) decode them greedily; the model verifies them in one step. Unset: off")
+    speculative_model: str | None = Field(None, description="the draft model of speculative_method draft_model: HF "
+                                          "directory or hub id, with the model's vocabulary (vLLM's name). It runs on "
+                                          "the model's device and dtype, with a KV cache and CUDA graphs of its own")
     num_speculative_tokens: int = Field(3, ge=1, le=32, description="most draft tokens verified per sequence and "
                                         "step (speculative_method)")
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix the ngram proposer looks up (vLLM's name)")
@@ -141,7 +144,7 @@ class Settings(BaseSettings):
                                       "recently used first out); a request for another reloads it from its path. "
                                       "Default: every served adapter stays loaded")
 
-    @field_validator("model", mode="before")
+    @field_validator("model", "speculative_model", mode="before")
     @classmethod
     def _empty_model_is_default(cls, value):
         # Compose passes LLM_MODEL through as "" when the host leaves it unset.
@@ -176,6 +179,18 @@ class Settings(BaseSettings):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) exceeds prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _draft_model(self):
+        # Its vocabulary is checked against the model's when the engine starts (the checkpoints are needed).
+        drafting = self.speculative_method == "draft_model"
+        if drafting and self.speculative_model is None:
+            raise ValueError("speculative_method draft_model needs speculative_model: the draft model's directory "
+                             "or hub id")
+        if self.speculative_model is not None and not drafting:
+            raise ValueError(f"speculative_model is the draft model of speculative_method draft_model, not of "
+                             f"{self.speculative_method!r}")
         return self
 
     @field_validator("block_size")

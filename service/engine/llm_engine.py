@@ -10,8 +10,9 @@ penalties, grammars) sample late: step N+1's forward pass is launched first, the
 grammars' masks filled while it runs, then N+1 samples.
 
 Speculative decoding (`speculative_method`, service.engine.speculative) runs steps synchronously: proposals need
-every sequence's last token on the host. Before each step the proposer drafts tokens for decoding sequences; the
-step scores them, and verification appends the accepted ones and the target's next token, all reported at once.
+every sequence's last token on the host. Before each step the proposer drafts tokens for decoding sequences (a
+draft model runs its own steps for them: service.engine.draft_model); the step scores them, and verification
+appends the accepted ones and the target's next token, all reported at once.
 """
 import functools
 import gc
@@ -133,6 +134,10 @@ class LLMEngine:
         log.info("model loaded in %.1fs", time.perf_counter() - start)
         # Token ids only: the tokenizer itself (transformers' imports take seconds) loads when a grammar needs it.
         self.eos_token_ids = eos_token_ids(self.model_dir)
+        # A draft model takes its weights and KV cache first: the target's cache is sized from the memory left.
+        proposer = None
+        if s.speculative_method is not None:
+            proposer = make_proposer(s, self.device, dtype, self.max_model_len, cfg)
         self.runner = start_runner(self.model, s, self.max_model_len)
         self.runner.workers = self.workers
         num_blocks = self.runner.kv_cache.num_blocks
@@ -161,9 +166,8 @@ class LLMEngine:
         self._fingerprint: dict | None = None
         self.adapter_reads = 0  # adapter files read into memory (loads, and reloads after max_cpu_loras let go)
         self.speculator = None
-        if s.speculative_method is not None:
-            self.speculator = Speculator(make_proposer(s.speculative_method, s.prompt_lookup_min, s.prompt_lookup_max),
-                                         s.num_speculative_tokens, s.speculative_disable_by_batch_size,
+        if proposer is not None:
+            self.speculator = Speculator(proposer, s.num_speculative_tokens, s.speculative_disable_by_batch_size,
                                          self.max_model_len, s.speculative_min_acceptance)
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
         self.overlap &= self.speculator is None  # proposals read every sequence's last token on the host
@@ -259,6 +263,8 @@ class LLMEngine:
         if seq.grammar is not None:
             self.grammars.release(seq.grammar)
         self.scheduler.free(seq)  # a token of it still in flight is dropped when that step completes
+        if self.speculator is not None:  # the proposer's state for it: a draft model's KV blocks
+            self.speculator.release(seq)
         if seq.adapter is not None:
             self._release_adapter(seq.adapter)
         return True

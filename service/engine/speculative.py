@@ -29,8 +29,13 @@ the blocks that only rejected tokens reached. A rejected token's slot is overwri
 prefix cache registers only blocks wholly before a sequence's last accepted token, so it never holds a rejected
 token's K/V.
 
-Other proposers (a draft model with its own paged KV cache and CUDA graphs, EAGLE-style heads that read the
-target's hidden states) implement `Proposer`; `make_proposer` picks one from the settings.
+Proposers implement `Proposer`; `make_proposer` picks one from the settings. The draft model
+(service.engine.draft_model, `speculative_model`) is a smaller model with the target's vocabulary: it catches up on
+each sequence's new tokens (rolling back the drafts the target rejected) and decodes greedily, with a paged KV cache,
+a ModelRunner and CUDA graphs of its own; its greedy drafts are point masses, verified as n-gram ones are. A proposer
+that keeps state for a sequence (the draft model's KV blocks) also has `release(seq)`, which the engine calls when
+the sequence finishes or is aborted. EAGLE-style heads, which draft from the target's hidden states, would implement
+`Proposer` too.
 """
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,8 +43,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from service.config import Settings
+from service.engine.draft_model import load_proposer
 from service.engine.sampler import target_probs
 from service.engine.sequence import Sequence, Status
+from service.model.config import ModelConfig
 from service.protocol import SamplingParams
 
 # The acceptance back-off (module doc): weight of the latest verify in the average, and the pause in the sequence's
@@ -50,7 +58,8 @@ BACKOFF_MIN, BACKOFF_MAX = 8, 128
 
 class Proposer(Protocol):
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """Up to limits[i] draft tokens to follow seqs[i]'s tokens (all known on the host), per sequence."""
+        """Up to limits[i] draft tokens to follow seqs[i]'s tokens (all known on the host), per sequence. Optional:
+        release(seq), for proposers that keep state for a sequence (see the module's doc)."""
 
 
 class NgramProposer:
@@ -78,10 +87,15 @@ class NgramProposer:
         return []
 
 
-def make_proposer(method: str, min_n: int, max_n: int) -> Proposer:
-    if method == "ngram":
-        return NgramProposer(min_n, max_n)
-    raise ValueError(f"unknown speculative method {method!r}")
+def make_proposer(s: Settings, device: torch.device, dtype: torch.dtype, max_model_len: int,
+                  target: ModelConfig) -> Proposer:
+    """The proposer of s.speculative_method for a target model of config `target` (a draft model loads onto the
+    target's device, in its dtype: call this before the target sizes its KV cache)."""
+    if s.speculative_method == "ngram":
+        return NgramProposer(s.prompt_lookup_min, s.prompt_lookup_max)
+    if s.speculative_method == "draft_model":
+        return load_proposer(s, device, dtype, max_model_len, target)
+    raise ValueError(f"unknown speculative method {s.speculative_method!r}")
 
 
 def can_speculate(seq: Sequence) -> bool:
@@ -147,6 +161,12 @@ class Speculator:
                     limits.append(min(self.k, room))
         for seq, draft in zip(eligible, self.proposer.propose(eligible, limits)):
             seq.draft = draft
+
+    def release(self, seq: Sequence) -> None:
+        """seq finished or was aborted: the proposer's state for it goes (stateless proposers have no release)."""
+        release = getattr(self.proposer, "release", None)
+        if release is not None:
+            release(seq)
 
     def verify(self, logits: torch.Tensor, index: list[int], drafts: dict[int, list[int]], seqs: list[Sequence]
                ) -> tuple[torch.Tensor, list[int], list[tuple[Sequence, list[int]]]]:
