@@ -293,7 +293,6 @@ def sweep_linear() -> list[dict]:
                 print(f"{name:>14} {proj:>8} rows {m:>2}: floor {row['floor_us']:5.1f} us, cuBLAS "
                       f"{row['cublas_us']:6.1f} us, decode_linear best " +
                       ", ".join(f"{1e3 * timed[t]:.1f} {t}" for t in top), flush=True)
-            del ws
     return rows_out
 
 
@@ -336,7 +335,6 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
             rows_out.append(row)
             print(f"lora_add_ {proj:>8} rows {m:>3}: " + ", ".join(
                 f"{1e3 * timed[t]:.1f} {t}" for t in sorted(timed, key=timed.get)[:4]), flush=True)
-        del lws
     return rows_out
 
 
