@@ -1,0 +1,32 @@
+"""benchmarks/step_profile.py's host side on the CPU: the module imports, and every configuration its sweeps time
+(kernels/decode_linear.py's and kernels/lora.py's) launches and computes the reference result in the interpreter,
+so that a sweep on the GPU cannot fail on a configuration the launchers no longer accept."""
+import numpy as np
+import torch
+
+from benchmarks import step_profile
+from kernels.decode_linear import decode_linear, decode_linear_ref
+from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles
+from tests.helpers import rel_err
+
+
+def test_every_swept_decode_linear_configuration_computes_the_projection():
+    x, w = torch.randn(3, 96), torch.randn(64, 96) / 10
+    want = decode_linear_ref(x, w)
+    for cfg in step_profile.LINEAR_CONFIGS + step_profile.SPLIT_CONFIGS:
+        out = decode_linear(x, w, config=cfg, partials=cfg[-1] > 1)
+        assert rel_err(out.sum(0) if out.dim() == 3 else out, want) < 1e-5, cfg
+
+
+def test_every_swept_lora_configuration_adds_the_updates():
+    rows, k, n, rank, slots = 20, 48, 40, 16, 3
+    weights, scales = torch.randn(slots, rank * (k + n)) / 4, torch.rand(slots) + 0.5
+    x = torch.randn(rows, k)
+    row_slots = np.arange(rows, dtype=np.int32) % slots
+    tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots)))
+    want = torch.zeros(rows, n)
+    lora_add_ref(x, [(want, 0, rank * k)], weights, scales, torch.from_numpy(row_slots), rank)
+    for cfg in step_profile.LORA_CONFIGS[::4]:
+        y = torch.zeros(rows, n)
+        lora_add_(x, [(y, 0, rank * k)], weights, scales, tiles, rank, config=cfg)
+        assert rel_err(y, want) < 1e-5, cfg
