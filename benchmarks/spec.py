@@ -126,6 +126,12 @@ class ForcedAcceptance:
         return draft[:kept] + [targets[kept]]
 
 
+def spec_totals(llm: LLM) -> tuple[int, int, int, int]:
+    """The engine's speculation counters: sequences verified, draft tokens, accepted ones, back-off pauses."""
+    s = llm.engine.speculator.stats
+    return s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
+
+
 def generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list[int]], float]:
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -155,15 +161,13 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
             """One generation of the batch at acceptance alpha; drafts: sequences verified, backoffs: pauses."""
             speculator, forced = llm.engine.speculator, ForcedAcceptance(alpha)
             speculator.proposer, speculator.min_acceptance = forced, min_acceptance
-            s = speculator.stats
-            before = s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
+            before = spec_totals(llm)
             greedy, speculative.accept_greedy = speculative.accept_greedy, forced.accept
             try:
                 _, seconds = generate(llm, prompts, params)
             finally:
                 speculative.accept_greedy = greedy
-            drafts, drafted, accepted, backoffs = (
-                now - then for now, then in zip((s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs), before))
+            drafts, drafted, accepted, backoffs = (now - then for now, then in zip(spec_totals(llm), before))
             return {"tokens_per_s": batch_size * new_tokens / seconds, "acceptance": accepted / max(drafted, 1),
                     "speedup": batch_size * new_tokens / seconds / row["plain_tokens_per_s"],
                     "drafts": drafts, "backoffs": backoffs}
@@ -232,12 +236,6 @@ def fewer_layers(src: Path, dst: Path, layers: int) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, dst / name)
     return dst
-
-
-def spec_totals(llm: LLM) -> tuple[int, int, int, int]:
-    """The engine's speculation counters: sequences verified, draft tokens, accepted ones, back-off pauses."""
-    s = llm.engine.speculator.stats
-    return s.drafts, s.draft_tokens, s.accepted_tokens, s.backoffs
 
 
 def draft_model(target: Path, random_weights: bool, device: str, new_tokens: int, k: int, draft_layers: int) -> dict:

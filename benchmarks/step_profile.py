@@ -251,6 +251,13 @@ SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)]
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
 
+def hbm_copies(*shape: int, cap: int = 256) -> list[torch.Tensor]:
+    """Random bf16 tensors of `shape`, enough copies (up to `cap`) that calls going round them read three times
+    L2's bytes: each call finds its tensor in HBM."""
+    copies = min(cap, max(2, -(-3 * L2_BYTES // (2 * torch.Size(shape).numel()))))
+    return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+
+
 def sweep_linear() -> list[dict]:
     """Each projection of both shapes (q/k/v and gate/up fused) at 1 and 16 rows: cuBLAS (plus the separate SwiGLU
     kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell.
@@ -266,8 +273,8 @@ def sweep_linear() -> list[dict]:
         q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
         for proj, (n, k, silu) in {"qkv": (q + 2 * kv, h, False), "o": (h, q, False),
                                    "gate_up": (2 * inter, h, True), "down": (h, inter, False)}.items():
-            copies = max(2, -(-3 * L2_BYTES // (2 * n * k)))
-            ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            ws = hbm_copies(n, k)
+            copies = len(ws)
             for m in (1, 16):
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 if silu:
@@ -317,8 +324,8 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
         for n in widths:
             parts.append((size, size + rank * k))
             size += rank * (k + n)
-        copies = min(256, max(2, -(-3 * L2_BYTES // (2 * adapters * size))))
-        lws = [torch.randn(adapters, size, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        lws = hbm_copies(adapters, size)
+        copies = len(lws)
         scales = torch.ones(adapters, device="cuda")
         for m in (64, 256):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -160,13 +160,12 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
     if store is not None and (v.stride(-1) != 1 or not k_cache.is_contiguous() or k_cache.shape != v_cache.shape
                               or k_cache.shape[2:] != k.shape[-2:]):
         raise ValueError("store needs v with unit stride and contiguous caches [blocks, block_size, heads_k, dim]")
-    if splits and (store is None or splits[0] > 1 and not q.stride(0) == k.stride(0) == v.stride(0)):
+    several = bool(splits) and splits[0] > 1  # a view's stride over a single split is arbitrary: not read then
+    if splits and (store is None or several and not q.stride(0) == k.stride(0) == v.stride(0)):
         raise ValueError("partial sums q, k, v [splits, tokens, heads, dim] of one projection need store")
     q_out = torch.empty(q.shape[-3:], dtype=k_cache.dtype, device=q.device) if splits else q
     if tokens:
-        # (a view's stride over one split is arbitrary: read only where there are several)
-        _rope_kernel[(tokens,)](q, k, positions, cos_sin, q_out, q.stride(0) if splits and splits[0] > 1 else 0,
-                                q.stride(-3),
+        _rope_kernel[(tokens,)](q, k, positions, cos_sin, q_out, q.stride(0) if several else 0, q.stride(-3),
                                 q.stride(-2), k.stride(-3), k.stride(-2), q_out.stride(0), q_out.stride(1),
                                 cos_sin.stride(0), heads, k.shape[-2], v, v.stride(-3), v.stride(-2), slots, k_cache,
                                 v_cache, k.shape[-2] * head_dim, head_dim, HALF=head_dim // 2,

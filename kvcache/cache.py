@@ -17,15 +17,20 @@ def num_blocks_for_bytes(budget_bytes: int, num_layers: int, block_size: int, nh
     return num_blocks
 
 
-def num_blocks_for_gpu(gpu_memory_utilization: float, activation_peak_bytes: int, num_layers: int,
-                       block_size: int, nheads_k: int, head_dim: int, dtype: torch.dtype, device="cuda") -> int:
-    """Blocks that fit in `gpu_memory_utilization` of the GPU after what this process already holds (weights)
-    and the caller's profiled activation peak; never more than what is free now."""
+def gpu_kv_budget(gpu_memory_utilization: float, activation_peak_bytes: int = 0, device="cuda") -> float:
+    """Bytes of `gpu_memory_utilization` of the GPU left after what this process already holds (weights) and the
+    caller's profiled activation peak; never more than what is free now."""
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     free, total = torch.cuda.mem_get_info(device)
-    budget = total * gpu_memory_utilization - torch.cuda.memory_allocated(device) - activation_peak_bytes
-    return num_blocks_for_bytes(min(budget, free), num_layers, block_size, nheads_k, head_dim, dtype)
+    return min(total * gpu_memory_utilization - torch.cuda.memory_allocated(device) - activation_peak_bytes, free)
+
+
+def num_blocks_for_gpu(gpu_memory_utilization: float, activation_peak_bytes: int, num_layers: int,
+                       block_size: int, nheads_k: int, head_dim: int, dtype: torch.dtype, device="cuda") -> int:
+    """Blocks that fit in gpu_kv_budget."""
+    return num_blocks_for_bytes(gpu_kv_budget(gpu_memory_utilization, activation_peak_bytes, device), num_layers,
+                                block_size, nheads_k, head_dim, dtype)
 
 
 @dataclass

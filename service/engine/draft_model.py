@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcache import BlockAllocator, block_bytes
+from kvcache import BlockAllocator, block_bytes, gpu_kv_budget
 from service.config import Settings
 from service.engine.model_runner import ModelRunner, start_runner
 from service.engine.scheduler import ScheduledBatch
@@ -166,9 +166,5 @@ def num_draft_blocks(s: Settings, draft: ModelConfig, target: ModelConfig, dtype
     d = block_bytes(draft.num_hidden_layers, bs, draft.num_key_value_heads, draft.head_dim, dtype)
     t = block_bytes(target.num_hidden_layers, bs, max(1, target.num_key_value_heads // s.tensor_parallel_size),
                     target.head_dim, dtype)  # one rank's
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        budget = min(free, total * s.gpu_memory_utilization - torch.cuda.memory_allocated(device))
-    else:
-        budget = s.cpu_kv_cache_bytes
+    budget = gpu_kv_budget(s.gpu_memory_utilization, device=device) if device.type == "cuda" else s.cpu_kv_cache_bytes
     return max(1, min(most, int(budget * d / (d + t)) // d))
