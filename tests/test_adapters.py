@@ -385,14 +385,15 @@ def _moved(before: dict, after: dict) -> dict[str, float]:
 
 def _fine_tune(url: str) -> dict:
     lines = [json.dumps({"prompt": f"Fortune {i}:", "completion": " the sea is calm today"}) for i in range(8)]
-    upload = httpx.post(f"{url}/v1/files", data={"purpose": "fine-tune"},
+    # the first upload starts the front-end's tokenizing process: slow on a busy machine
+    upload = httpx.post(f"{url}/v1/files", data={"purpose": "fine-tune"}, timeout=120,
                         files={"file": ("sea.jsonl", "\n".join(lines).encode())}).json()
-    job = httpx.post(f"{url}/v1/fine_tuning/jobs", json={
+    job = httpx.post(f"{url}/v1/fine_tuning/jobs", timeout=120, json={
         "model": base_model(url), "training_file": upload["id"], "seed": 3,
         "hyperparameters": {"n_epochs": 5, "batch_size": 4, "learning_rate_multiplier": 5},
         "extra": {"lora_rank": 4}}).json()
     for _ in range(1200):
-        job = httpx.get(f"{url}/v1/fine_tuning/jobs/{job['id']}").json()
+        job = httpx.get(f"{url}/v1/fine_tuning/jobs/{job['id']}", timeout=60).json()
         if job["status"] in ("succeeded", "failed", "cancelled"):
             return job
         time.sleep(0.1)

@@ -130,7 +130,8 @@ def test_lone_surrogates_are_a_400_on_a_connection_that_stays_open(base_url, rou
 
 
 def _upload(base_url: str, data: bytes) -> httpx.Response:
-    return httpx.post(f"{base_url}/v1/files", files={"file": ("t.jsonl", data)}, data={"purpose": "fine-tune"})
+    return httpx.post(f"{base_url}/v1/files", files={"file": ("t.jsonl", data)}, data={"purpose": "fine-tune"},
+                      timeout=120)  # the first upload starts the tokenizing process
 
 
 @pytest.mark.parametrize("data,needle", [
