@@ -235,7 +235,9 @@ class EngineMetrics:
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
                               "place in the draft", VLLM_LABELS + ["position"], registry=r)
             self.spec_per_pos = [per_pos.labels(model_name, self.engine, str(i)) for i in range(num_speculative_tokens)]
-            self._spec = (0, 0, 0, [0] * num_speculative_tokens)
+            self.spec_proposer_failures = counter("llm_spec_decode_proposer_failures",
+                                                  "Proposals that raised; their steps ran without drafts")
+            self._spec = (0, 0, 0, [0] * num_speculative_tokens, 0)
 
         for g in (self.running, self.waiting, self.kv_usage, self.batch_size, self.gpu_allocated, self.gpu_reserved,
                   self.gpu_total, self.finetune_tokens_per_second, self.finetune_loss):
@@ -250,17 +252,19 @@ class EngineMetrics:
                 counter.inc(now - before)
         self._lora_counts = counts
 
-    def record_spec(self, drafts: int, draft_tokens: int, accepted: int, per_position: list[int]) -> None:
+    def record_spec(self, drafts: int, draft_tokens: int, accepted: int, per_position: list[int],
+                    proposer_failures: int = 0) -> None:
         """The engine's running speculative-decoding totals (service.engine.speculative.SpecStats)."""
         before = self._spec
-        for counter, now, then in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
-                                      (drafts, draft_tokens, accepted), before[:3]):
+        for counter, now, then in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted,
+                                       self.spec_proposer_failures),
+                                      (drafts, draft_tokens, accepted, proposer_failures), before[:3] + before[4:]):
             if now > then:
                 counter.inc(now - then)
         for counter, now, then in zip(self.spec_per_pos, per_position, before[3]):
             if now > then:
                 counter.inc(now - then)
-        self._spec = (drafts, draft_tokens, accepted, list(per_position))
+        self._spec = (drafts, draft_tokens, accepted, list(per_position), proposer_failures)
 
     def record_step(self, stats) -> None:
         """After every engine step (a service.engine.llm_engine.StepStats)."""

@@ -182,6 +182,40 @@ def test_aborted_requests_give_the_draft_its_blocks_back(models, prompts):
     assert not engine.has_work
 
 
+def test_a_failing_draft_costs_its_steps_their_drafts_only(models, plain, prompts, caplog):
+    """The draft model raises in one proposal: that step runs without drafts, the draft's state is dropped and
+    rebuilt, and speculation goes on; raising three proposals in a row turns speculation off for good. Outputs stay
+    those of plain decoding throughout, and the draft's blocks all come back."""
+    llm = make_llm(models["target"], models["target"])
+    speculator = llm.engine.speculator
+    proposer = speculator.proposer
+    run, calls = proposer.runner.run, []
+
+    def failing(fail_at):
+        def step(batch, pending):
+            calls.append(1)
+            if len(calls) in fail_at:
+                raise RuntimeError("injected draft failure")
+            return run(batch, pending)
+        return step
+
+    proposer.runner.run = failing({6})  # a decode step of the draft, mid-proposal: blocks held, views grown
+    assert greedy_outputs(llm, prompts) == greedy_outputs(plain, prompts)
+    assert speculator.stats.proposer_failures == 1 and speculator.failures_in_a_row == 0
+    drafts_after_failure = speculator.stats.drafts
+    assert drafts_after_failure and speculator.stats.accepted_tokens / speculator.stats.draft_tokens > 0.9
+    assert_draft_cache_empty(llm)
+    assert "injected draft failure" in caplog.text
+
+    calls.clear()
+    proposer.runner.run = failing(set(range(1, 1000)))
+    assert greedy_outputs(llm, prompts) == greedy_outputs(plain, prompts)
+    assert speculator.stats.proposer_failures == 4 and speculator.stats.drafts == drafts_after_failure
+    assert len(calls) == 3  # no proposal after the third failure in a row
+    assert "speculation is off from now on" in caplog.text
+    assert_draft_cache_empty(llm)
+
+
 def test_settings_checks(models, tmp_path):
     with pytest.raises(pydantic.ValidationError, match="needs speculative_model"):
         Settings(speculative_method="draft_model")

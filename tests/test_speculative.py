@@ -236,12 +236,13 @@ def test_vllm_speculative_series():
     registry = CollectorRegistry()
     metrics = EngineMetrics(registry, 0, "m", 16, 100, num_speculative_tokens=3)
     metrics.record_spec(4, 10, 6, [4, 2, 0])
-    metrics.record_spec(5, 13, 8, [5, 3, 0])
+    metrics.record_spec(5, 13, 8, [5, 3, 0], proposer_failures=2)
     text = generate_latest(registry).decode()
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 5.0' in text
     assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 13.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 8.0' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 3.0' in text
+    assert 'llm_spec_decode_proposer_failures_total{engine="0"} 2.0' in text
     assert "spec_decode" not in generate_latest(_plain_registry()).decode()
 
 

@@ -393,7 +393,7 @@ class EngineCore:
             if self.engine.speculator is not None:
                 spec = self.engine.speculator.stats
                 self.metrics.record_spec(spec.drafts, spec.draft_tokens, spec.accepted_tokens,
-                                         spec.accepted_per_position)
+                                         spec.accepted_per_position, spec.proposer_failures)
         self.metrics.record_outputs(outputs)
         self._record_load()
         self._record_gpu_memory()

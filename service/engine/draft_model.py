@@ -101,6 +101,12 @@ class DraftModelProposer:
             for block in draft.table:
                 self.allocator.free(block)
 
+    def reset(self) -> None:
+        """Forgets every sequence's draft (after a failed proposal, whose state may be half done): all blocks free,
+        the next proposal computes each sequence's tokens afresh."""
+        self.drafts.clear()
+        self.allocator = BlockAllocator(self.num_blocks)
+
     def _prepare(self, seq: Sequence, k: int) -> _Draft | None:
         """seq's draft rolled back to the longest prefix its tokens share with seq's (never past seq's last token,
         whose logits give the first draft token), seq's tokens after it to compute, and slots reserved for them and

@@ -29,6 +29,11 @@ the blocks that only rejected tokens reached. A rejected token's slot is overwri
 prefix cache registers only blocks wholly before a sequence's last accepted token, so it never holds a rejected
 token's K/V.
 
+A proposer that raises (the draft model out of memory, a bug) costs its step nothing but the drafts: the step runs
+without them, the proposer's per-sequence state is dropped (`reset`, when it keeps any) and rebuilt from the
+sequences' tokens at the next proposal; after MAX_PROPOSER_FAILURES failing proposals in a row speculation stays
+off for the engine's life, with an error in the log. Greedy outputs are unchanged either way.
+
 Proposers implement `Proposer`; `make_proposer` picks one from the settings. The draft model
 (service.engine.draft_model, `speculative_model`) is a smaller model with the target's vocabulary: it catches up on
 each sequence's new tokens (rolling back the drafts the target rejected) and decodes greedily, with a paged KV cache,
@@ -37,6 +42,7 @@ that keeps state for a sequence (the draft model's KV blocks) also has `release(
 the sequence finishes or is aborted. EAGLE-style heads, which draft from the target's hidden states, would implement
 `Proposer` too.
 """
+import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -54,6 +60,9 @@ from service.protocol import SamplingParams
 # own tokens, first and longest. Four wholly rejected drafts in a row take a fresh sequence below 0.1.
 EMA_WEIGHT = 0.5
 BACKOFF_MIN, BACKOFF_MAX = 8, 128
+MAX_PROPOSER_FAILURES = 3
+
+log = logging.getLogger(__name__)
 
 
 class Proposer(Protocol):
@@ -114,6 +123,7 @@ class SpecStats:
     accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     backoffs: int = 0  # ours: pauses of a sequence's proposals for low acceptance
+    proposer_failures: int = 0  # ours: proposals that raised (their steps ran without drafts)
 
 
 class _Acceptance:
@@ -136,6 +146,7 @@ class Speculator:
         self.min_acceptance = min_acceptance  # 0: no back-off
         self.acceptance: dict[Sequence, _Acceptance] = {}  # sequences verified while the back-off is on
         self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
+        self.failures_in_a_row = 0
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets seq.draft for every running sequence: draft tokens for those that decode next step and are not
@@ -146,7 +157,8 @@ class Speculator:
         acceptance = self.acceptance
         if len(acceptance) > len(running):  # forget finished sequences (preempted ones keep their history)
             self.acceptance = acceptance = {s: a for s, a in acceptance.items() if s.status is not Status.FINISHED}
-        if self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size:
+        if self.failures_in_a_row >= MAX_PROPOSER_FAILURES or (
+                self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size):
             return
         eligible, limits = [], []
         for seq in running:
@@ -159,8 +171,31 @@ class Speculator:
                 if room > 0:
                     eligible.append(seq)
                     limits.append(min(self.k, room))
-        for seq, draft in zip(eligible, self.proposer.propose(eligible, limits)):
+        if not eligible:
+            return
+        try:
+            drafts = self.proposer.propose(eligible, limits)
+        except Exception:
+            self._proposer_failed()
+            return
+        self.failures_in_a_row = 0
+        for seq, draft in zip(eligible, drafts):
             seq.draft = draft
+
+    def _proposer_failed(self) -> None:
+        self.stats.proposer_failures += 1
+        self.failures_in_a_row += 1
+        off = self.failures_in_a_row >= MAX_PROPOSER_FAILURES
+        log.error("speculative proposal failed: the step runs without drafts%s",
+                  f"; {MAX_PROPOSER_FAILURES} in a row, speculation is off from now on" if off else "",
+                  exc_info=self.failures_in_a_row == 1 or off)
+        reset = getattr(self.proposer, "reset", None)
+        if reset is not None:
+            try:
+                reset()
+            except Exception:  # the proposer is beyond use: speculate no more
+                log.exception("the proposer could not reset; speculation is off from now on")
+                self.failures_in_a_row = MAX_PROPOSER_FAILURES
 
     def release(self, seq: Sequence) -> None:
         """seq finished or was aborted: the proposer's state for it goes (stateless proposers have no release)."""
