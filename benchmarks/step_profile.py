@@ -167,8 +167,10 @@ def count_kernels(fn) -> tuple[int, dict[str, float]]:
     return len(kernels), times
 
 
-# (name, fused projections, programmatic dependent launch): the path as it is, without PDL, and the module path
-PATHS = [("fused", True, True), ("fused_no_pdl", True, False), ("modules", False, False)]
+# (name, fused projections, programmatic dependent launch, the projections' L2 prefetch): the path as it is, with the
+# prefetch experiment (kernels.configs.PREFETCH), without PDL, and the module path
+PATHS = [("fused", True, True, False), ("fused_prefetch", True, True, True), ("fused_no_pdl", True, False, False),
+         ("modules", False, False, False)]
 
 
 def decode_graphs(config: dict) -> dict:
@@ -182,9 +184,9 @@ def decode_graphs(config: dict) -> dict:
     weights = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
     out = {"layers": model.config.num_hidden_layers, "weight_gb": sum(weights.values()) / 1e9,
            "floor_ms": 1e3 * sum(weights.values()) / COPY_BYTES_PER_S, "context": CONTEXT, "paths": {}}
-    pdl = configs.PDL
-    for name, fused, with_pdl in PATHS:
-        configs.PDL = pdl and with_pdl
+    pdl, prefetch = configs.PDL, configs.PREFETCH
+    for name, fused, with_pdl, with_prefetch in PATHS:
+        configs.PDL, configs.PREFETCH = pdl and with_pdl, with_prefetch
         model.fuse_projections(fused)
         runner._capture_graphs()
         cells = {}
@@ -202,7 +204,7 @@ def decode_graphs(config: dict) -> dict:
             if batch == 1:  # where a batch-1 step's GPU time goes (eager kernel times: launches not included)
                 cells["1"]["kernel_us"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
         out["paths"][name] = cells
-    configs.PDL = pdl
+    configs.PDL, configs.PREFETCH = pdl, prefetch
     del llm, runner, model
     torch.cuda.empty_cache()
     return out
@@ -222,7 +224,7 @@ def print_graphs(graphs: dict) -> None:
 def plot_graphs(graphs: dict, path: Path) -> None:
     """Graph GPU time per decode step by shape and batch, one bar per path, the floor as a line per shape."""
     labels = [f"{name} b{batch}" for name in graphs for batch in GRAPH_BATCHES]
-    paths = [p for p, _, _ in PATHS if all(p in g["paths"] for g in graphs.values())]
+    paths = [p for p, *_ in PATHS if all(p in g["paths"] for g in graphs.values())]
     series = {p: [graphs[name]["paths"][p][str(batch)]["graph_ms"] for name in graphs for batch in GRAPH_BATCHES]
               for p in paths}
     series["floor (weights once at 3 TB/s)"] = [graphs[name]["floor_ms"] for name in graphs for _ in GRAPH_BATCHES]
