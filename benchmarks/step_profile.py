@@ -167,10 +167,14 @@ def count_kernels(fn) -> tuple[int, dict[str, float]]:
     return len(kernels), times
 
 
-# (name, fused projections, programmatic dependent launch, the projections' L2 prefetch): the path as it is, with the
-# prefetch experiment (kernels.configs.PREFETCH), without PDL, and the module path
-PATHS = [("fused", True, True, False), ("fused_prefetch", True, True, True), ("fused_no_pdl", True, False, False),
-         ("modules", False, False, False)]
+# (name, fused projections, kernels.configs switches): the path as it is, with each experiment of kernels/configs.py
+# (the projections' L2 prefetch; one attention kernel per layer: RoPE, the cache write and the splits' merge in the
+# split kernel) and with both, without PDL, and the module path
+ONE_ATTENTION_KERNEL = {"DECODE_ROPE_IN_ATTENTION": True, "DECODE_MERGE_IN_SPLIT": True}
+PATHS = [("fused", True, {}), ("fused_prefetch", True, {"PREFETCH": True}),
+         ("fused_one_attention_kernel", True, ONE_ATTENTION_KERNEL),
+         ("fused_both", True, {"PREFETCH": True, **ONE_ATTENTION_KERNEL}),
+         ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
 
 def decode_graphs(config: dict) -> dict:
@@ -184,9 +188,10 @@ def decode_graphs(config: dict) -> dict:
     weights = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
     out = {"layers": model.config.num_hidden_layers, "weight_gb": sum(weights.values()) / 1e9,
            "floor_ms": 1e3 * sum(weights.values()) / COPY_BYTES_PER_S, "context": CONTEXT, "paths": {}}
-    pdl, prefetch = configs.PDL, configs.PREFETCH
-    for name, fused, with_pdl, with_prefetch in PATHS:
-        configs.PDL, configs.PREFETCH = pdl and with_pdl, with_prefetch
+    defaults = {key: getattr(configs, key) for _, _, switches in PATHS for key in switches}
+    for name, fused, switches in PATHS:
+        for key, default in defaults.items():
+            setattr(configs, key, switches.get(key, default) and (key != "PDL" or default))
         model.fuse_projections(fused)
         runner._capture_graphs()
         cells = {}
@@ -204,7 +209,8 @@ def decode_graphs(config: dict) -> dict:
             if batch == 1:  # where a batch-1 step's GPU time goes (eager kernel times: launches not included)
                 cells["1"]["kernel_us"] = dict(sorted(times.items(), key=lambda kv: -kv[1])[:14])
         out["paths"][name] = cells
-    configs.PDL, configs.PREFETCH = pdl, prefetch
+    for key, default in defaults.items():
+        setattr(configs, key, default)
     del llm, runner, model
     torch.cuda.empty_cache()
     return out

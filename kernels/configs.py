@@ -141,6 +141,12 @@ def hopper_pays(pass_: str, head_dim: int, causal: bool, max_seqlen: int) -> boo
 DECODE_BLOCK_N = 16 if INTERPRET else 128
 DECODE_NUM_WARPS = 1 if INTERPRET else 4
 DECODE_NUM_STAGES = 1 if INTERPRET else 3
+# Fewer launches per layer in a decode step, experiments until measured on the GPU (benchmarks/step_profile.py times
+# the step both ways): DECODE_MERGE_IN_SPLIT, the split program that finishes last merges its (sequence, KV head)'s
+# splits (no merge kernel); DECODE_ROPE_IN_ATTENTION, the fused decode path rotates q and writes the new token's K/V
+# into the cache in the attention kernel (no RoPE kernel; service.model.llama).
+DECODE_MERGE_IN_SPLIT = False
+DECODE_ROPE_IN_ATTENTION = False
 
 # ---------------------------------------------------------------------------------------------------------
 # Training backward (kernels/backward.py), one fixed config per kernel keyed by padded head_dim (the smallest key

@@ -10,6 +10,14 @@ launcher never reads a device tensor on the host: it is free of synchronization 
 attend_single_rows runs the same kernels on the one-row sequences of a packed varlen batch (the decodes of a step
 that also carries prompt chunks), in place in the step's output, so that the prefill kernel, which would spend a
 BLOCK_M-row tile and a pass over the keys per query head on each of them, only computes the multi-row sequences.
+
+Fewer launches for a decode step (kernels.configs, experiments until measured):
+- merge in the split kernel (DECODE_MERGE_IN_SPLIT): each program counts itself done on its (sequence, KV head)'s
+  counter after writing its partials; the last one merges them and puts the counter back to 0, so the counters are
+  zero between launches (and graph replays) without a reset kernel;
+- decode_attention_rope: the projection's q, k and v of each sequence's new token (float32 partial sums, as
+  kernels.elementwise.apply_rope_ takes them) are added up and rotated in the split kernel; the program whose keys
+  include the new token writes its K/V into the cache before reading its keys. The RoPE kernel's launch goes.
 """
 import math
 
@@ -17,24 +25,44 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import DECODE_BLOCK_N, DECODE_NUM_STAGES, DECODE_NUM_WARPS, gdc_launch_dependents, gdc_wait, \
-    pdl_launch
+from kernels import configs
+from kernels.configs import (
+    DECODE_BLOCK_N,
+    DECODE_NUM_STAGES,
+    DECODE_NUM_WARPS,
+    gdc_launch_dependents,
+    gdc_wait,
+    pdl_launch,
+)
+from kernels.elementwise import _summed
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _roped(ptr, stride_split, mask, d, cos, sin, HALF: tl.constexpr, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """The head rows at ptr (SPLITS partial sums stride_split apart) rotated by cos/sin, columns d of the head: the
+    half-split layout, x1 cos - x2 sin then x2 cos + x1 sin, each half rounded as kernels.elementwise rounds it."""
+    x = _summed(ptr + d, stride_split, mask, SPLITS, dtype)
+    other = _summed(ptr + (d + HALF) % (2 * HALF), stride_split, mask, SPLITS, dtype)
+    return (x * cos + tl.where(d < HALF, -other, other) * sin).to(dtype)
+
+
+@triton.jit
 def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out, PartialOut, PartialLse,
-                         scale_log2,
+                         Counters, scale_log2,
                          stride_qb, stride_qs, stride_qh,
                          stride_kb, stride_kt, stride_kh,
                          stride_vb, stride_vt, stride_vh,
                          stride_btb,
                          stride_ob, stride_os, stride_oh,
+                         KNew, VNew, Positions, CosSin, SlotMapping, stride_split, stride_knb, stride_knh,
+                         stride_vnb, stride_vnh, stride_cs,
                          GROUP: tl.constexpr, SEQLEN_Q: tl.constexpr, NUM_SPLITS: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr,
-                         VARLEN_Q: tl.constexpr, PDL: tl.constexpr):
+                         VARLEN_Q: tl.constexpr, ROPE_SPLITS: tl.constexpr, MERGE_IN_SPLIT: tl.constexpr,
+                         SPLITS_PADDED: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -58,11 +86,32 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out
     head = kv_head * GROUP + g
     d = tl.arange(0, HEAD_DIM_PADDED)
     d_ok = d < HEAD_DIM
-    q = tl.load(Q + token * stride_qb + qi[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, seqlen)
+    if ROPE_SPLITS > 0:  # decode_attention_rope: one query row, q/k/v the projection's partial sums
+        dtype = KCache.dtype.element_ty
+        half: tl.constexpr = HEAD_DIM // 2
+        at = tl.load(Positions + b).to(tl.int64) * stride_cs + d[None, :] % half
+        cos = tl.load(CosSin + at)
+        sin = tl.load(CosSin + at + half)
+        q = _roped(Q + token * stride_qb + head[:, None] * stride_qh, stride_split, row_ok[:, None], d[None, :],
+                   cos, sin, half, ROPE_SPLITS, dtype)
+        slot = tl.load(SlotMapping + b).to(tl.int64)
+        if (start <= seqlen - 1) & (seqlen - 1 < end) & (slot >= 0):  # the new token's keys are this program's
+            one = tl.zeros([1], tl.int32)[:, None]
+            whole = d[None, :] < HEAD_DIM
+            k_new = _roped(KNew + token * stride_knb + kv_head * stride_knh + one, stride_split, whole, d[None, :],
+                           cos, sin, half, ROPE_SPLITS, dtype)
+            v_new = _summed(VNew + token * stride_vnb + kv_head * stride_vnh + d[None, :], stride_split, whole,
+                            ROPE_SPLITS, dtype)
+            block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+            tl.store(KCache + block * stride_kb + offset * stride_kt + kv_head * stride_kh + d[None, :], k_new)
+            tl.store(VCache + block * stride_vb + offset * stride_vt + kv_head * stride_vh + d[None, :], v_new)
+            tl.debug_barrier()  # the stores land before this program's threads read the row back
+    else:
+        q = tl.load(Q + token * stride_qb + qi[:, None] * stride_qs + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     last_key = seqlen - SEQLEN_Q + qi  # bottom-right causal: row qi sees keys <= last_key
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -98,15 +147,42 @@ def _decode_split_kernel(Q, KCache, VCache, CacheSeqlens, BlockTable, QRows, Out
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     out_mask = row_ok[:, None] & d_ok[None, :]
+    out_at = Out + token * stride_ob + qi[:, None] * stride_os + head[:, None] * stride_oh + d[None, :]
     if NUM_SPLITS == 1:
-        tl.store(Out + token * stride_ob + qi[:, None] * stride_os + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=out_mask)
+        tl.store(out_at, out.to(Out.dtype.element_ty), mask=out_mask)
     else:
         # Partials laid out [batch, nheads, seqlen_q, NUM_SPLITS, (HEAD_DIM)], contiguous.
         part = ((b * nheads_k * GROUP + head) * SEQLEN_Q + qi) * NUM_SPLITS + split
         tl.store(PartialOut + part[:, None] * HEAD_DIM + d[None, :], out, mask=out_mask)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(PartialLse + part, lse, mask=row_ok)
+        if MERGE_IN_SPLIT:
+            # Every thread's partials are written before the count (a release at GPU scope); the last program to
+            # count acquires them all, reading past L1 (other SMs wrote them).
+            tl.debug_barrier()
+            counter = Counters + b * nheads_k + kv_head
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                first = part - split
+                sp = tl.arange(0, SPLITS_PADDED)
+                both = row_ok[:, None] & (sp[None, :] < NUM_SPLITS)
+                lses = tl.load(PartialLse + first[:, None] + sp[None, :], mask=both, other=float("-inf"),
+                               cache_modifier=".cg")
+                parts = tl.load(PartialOut + (first[:, None, None] + sp[None, :, None]) * HEAD_DIM
+                                + d[None, None, :], mask=both[:, :, None] & d_ok[None, None, :], other=0.0,
+                                cache_modifier=".cg")
+                out = _merged(lses, parts)
+                tl.store(out_at, out.to(Out.dtype.element_ty), mask=out_mask)
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _merged(lse, parts):
+    """The splits' partial outputs [..., splits, (d)] weighed by their log2-sum-exps [..., splits]: empty splits
+    (-inf) weigh 0, and a row no split saw is 0."""
+    m = tl.max(lse, -1)
+    w = tl.exp2(lse - tl.expand_dims(tl.where(m == float("-inf"), 0.0, m), -1))
+    total = tl.sum(w, -1)
+    return tl.sum(parts * tl.expand_dims(w, -1), -2) / tl.expand_dims(tl.where(total > 0.0, total, 1.0), -1)
 
 
 @triton.jit
@@ -131,12 +207,9 @@ def _decode_merge_kernel(PartialOut, PartialLse, Out, CacheSeqlens, QRows, nhead
     sp = tl.arange(0, SPLITS_PADDED)
     d = tl.arange(0, HEAD_DIM_PADDED)
     lse = tl.load(PartialLse + row * NUM_SPLITS + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # empty splits weigh 0
     mask = (sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM)
     parts = tl.load(PartialOut + (row * NUM_SPLITS + sp[:, None]) * HEAD_DIM + d[None, :], mask=mask, other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    out = _merged(lse, parts)
     tl.store(Out + token * stride_ob + qi * stride_os + head * stride_oh + d, out.to(Out.dtype.element_ty),
              mask=d < HEAD_DIM)
 
@@ -216,15 +289,52 @@ def attend_single_rows(q, k_cache, v_cache, q_rows, cache_seqlens, block_table, 
                 softmax_scale, True, num_splits)
 
 
-def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softmax_scale, causal, num_splits):
-    """q and out [rows, seqlen_q, nheads, head_dim]: row b of sequence b, or row q_rows[b] when given."""
+def decode_attention_rope(q, k, v, positions, cos_sin, slot_mapping, k_cache, v_cache, cache_seqlens, block_table,
+                          softmax_scale, num_splits):
+    """A decode step's attention with its rotary embedding and cache write in the same launch: q [batch, heads, d],
+    k and v [batch, heads_k, d] of each sequence's new token, unrotated, or float32 partial sums [splits, ...] of
+    them (kernels.decode_linear partials, strided alike over the splits); positions, cos_sin and slot_mapping as
+    kernels.elementwise.apply_rope_ takes them. Writes rotated k and v into each token's cache slot (-1: none), which
+    is the last of its sequence's cache_seqlens[b] keys, and returns the attention output [batch, heads, d] of the
+    caches' dtype. num_splits as flash_attn_with_kvcache takes it."""
+    *splits, batch, heads, head_dim = q.shape
+    several = bool(splits) and splits[0] > 1  # a single split's stride over splits is arbitrary: not read then
+    if (head_dim & (head_dim - 1) or head_dim < 16 or num_splits < 0 or any(t.stride(-1) != 1 for t in (q, k, v))
+            or several and not q.stride(0) == k.stride(0) == v.stride(0)):
+        raise ValueError(f"need a power-of-two head_dim >= 16 with unit stride, partial sums strided alike and "
+                         f"num_splits >= 0, got {tuple(q.shape)}, {k.stride()}, {v.stride()}, {num_splits}")
+    first = (lambda t: t[0]) if splits else (lambda t: t)
+    out = torch.empty(batch, 1, heads, head_dim, dtype=k_cache.dtype, device=q.device)
+    if batch:
+        _launch(first(q).unsqueeze(1), k_cache, v_cache, cache_seqlens, block_table, out, None, softmax_scale, True,
+                num_splits, rope=(first(k), first(v), positions, cos_sin, slot_mapping,
+                                  q.stride(0) if several else 0, splits[0] if splits else 1))
+    return out.squeeze(1)
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n arrival counters of split programs (DECODE_MERGE_IN_SPLIT), zero between launches. Grown, never
+    freed (a captured graph keeps the one it was captured with); launches on one stream at a time share them."""
+    counters = _COUNTERS.setdefault(device, [])
+    if not counters or counters[-1].numel() < n:
+        counters.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
+    return counters[-1]
+
+
+def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softmax_scale, causal, num_splits,
+            rope=None):
+    """q and out [rows, seqlen_q, nheads, head_dim]: row b of sequence b, or row q_rows[b] when given. rope: (k, v,
+    positions, cos_sin, slot_mapping, split stride, splits) of decode_attention_rope, q then holding partial sums."""
     batch, seqlen_q, nheads, head_dim = cache_seqlens.shape[0], q.shape[1], q.shape[2], q.shape[3]
     block_size, nheads_k = k_cache.shape[1], k_cache.shape[2]
     group = nheads // nheads_k
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
     # Keep a pipeline stage of K+V tiles near 64 KB of shared memory.
     block_n = DECODE_BLOCK_N // (head_dim_padded // 128 if head_dim_padded > 128 else 1)
-    block_n = max(16, block_n // 2 if q.dtype == torch.float32 else block_n)
+    block_n = max(16, block_n // 2 if k_cache.dtype == torch.float32 else block_n)
     if num_splits == 0:
         max_seqlen = block_table.shape[1] * block_size
         num_splits = choose_num_splits(batch, nheads_k, q.device, max_seqlen, block_n)
@@ -236,20 +346,26 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
         partial_out = partial_lse = out  # unused
     varlen = q_rows is not None
     q_rows = q_rows if varlen else cache_seqlens  # never read unless varlen
+    merge_in_split = configs.DECODE_MERGE_IN_SPLIT and num_splits > 1
+    counters = _split_counters(q.device, batch * nheads_k) if merge_in_split else cache_seqlens
+    k_new, v_new, positions, cos_sin, slots, stride_split, rope_splits = rope or (q, q, q_rows, q, q_rows, 0, 0)
     _decode_split_kernel[(batch, nheads_k, num_splits)](
         q, k_cache, v_cache, cache_seqlens, block_table, q_rows, out, partial_out, partial_lse,
-        scale * LOG2E,
+        counters, scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1), out.stride(2),
+        k_new, v_new, positions, cos_sin, slots, stride_split, k_new.stride(0), k_new.stride(1), v_new.stride(0),
+        v_new.stride(1), cos_sin.stride(0) if rope else 0,
         GROUP=group, SEQLEN_Q=seqlen_q, NUM_SPLITS=num_splits, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=head_dim_padded, BLOCK_M=max(16, triton.next_power_of_2(group * seqlen_q)),
-        BLOCK_N=block_n, IS_CAUSAL=causal, VARLEN_Q=varlen, num_warps=DECODE_NUM_WARPS,
+        BLOCK_N=block_n, IS_CAUSAL=causal, VARLEN_Q=varlen, ROPE_SPLITS=rope_splits, MERGE_IN_SPLIT=merge_in_split,
+        SPLITS_PADDED=triton.next_power_of_2(num_splits), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES, **pdl_launch(q.device),
     )
-    if num_splits > 1:
+    if num_splits > 1 and not merge_in_split:
         _decode_merge_kernel[(batch * nheads * seqlen_q,)](
             partial_out, partial_lse, out, cache_seqlens, q_rows, nheads,
             out.stride(0), out.stride(1), out.stride(2),

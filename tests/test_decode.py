@@ -173,3 +173,131 @@ def test_mixed_step_gpu_bf16(head_dim, num_splits):
     lens_q = [1] * 90 + [128] + [1] * 60 + [300, 77] + [1] * 50
     lens_k = [q if q > 1 and i % 2 else q + int(torch.randint(1, 3000, ())) for i, q in enumerate(lens_q)]
     check_mixed_step(lens_q, lens_k, 16, 14, 2, head_dim, torch.bfloat16, "cuda", num_splits)
+
+
+# -- fewer launches per decode step (kernels.configs DECODE_MERGE_IN_SPLIT, kernels.decode.decode_attention_rope) --
+@pytest.fixture
+def merge_in_split(monkeypatch):
+    from kernels import configs
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_SPLIT", True)
+
+
+def counters_at_zero(device) -> bool:
+    from kernels.decode import _COUNTERS
+    return all((c == 0).all() for c in _COUNTERS.get(torch.device(device), []))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("case", [c for c in CASES if c[-1] != 1])
+def test_merge_in_the_split_kernel(case, dtype, device, merge_in_split):
+    """The last split program of each (sequence, KV head) merges: the reference's output, the counters back at 0
+    (so the next launch, or graph replay, starts from 0), twice in a row; and for the decodes of a mixed step."""
+    seqlens, block_size, nheads, nheads_k, head_dim, seqlen_q, num_splits = case
+    tensors = make_paged(len(seqlens), seqlens, block_size, nheads, nheads_k, head_dim, seqlen_q, dtype, device)
+    for _ in range(2):
+        check(*tensors, num_splits)
+        assert counters_at_zero(device)
+    check_mixed_step([1, 7, 1], [40, 30, 1], 16, 8, 2, 32, dtype, device, num_splits=3)
+    assert counters_at_zero(device)
+
+
+def rope_table(head_dim: int, positions: int, device) -> torch.Tensor:
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(positions, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1).float().to(device)
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., heads, d] (float32, its halves rounded) by each row's cos/sin [..., d / 2]: the half-split layout."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 4])  # 0: whole q/k/v, else float32 partial sums over K
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits,merge", [(1, False), (3, False), (5, True), (0, True)])
+def test_decode_attention_rope_rotates_writes_and_attends(splits, dtype, num_splits, merge, device, monkeypatch):
+    """Against the unfused order: q, k, v summed and rounded, q and k rotated and rounded, k and v written into the
+    new token's slot, attention over the cache. A sequence whose slot is -1 (a graph's padding) writes nothing."""
+    from kernels import configs
+    from kernels.decode import decode_attention_rope
+
+    monkeypatch.setattr(configs, "DECODE_MERGE_IN_SPLIT", merge)
+    case = RopeCase([37, 1, 90, 16], 16, 8, 2, 32, splits, dtype, device)
+    if not splits:  # q and k as the q/k norms give them (tensors of their own), v a view of the projection
+        case.q, case.k = case.q.contiguous(), case.k.contiguous()
+    want = case.expected()
+    out = decode_attention_rope(case.q, case.k, case.v, case.positions, case.cos_sin, case.slots, case.k_cache,
+                                case.v_cache, case.lens, case.table, case.head_dim ** -0.5, num_splits)
+    case.check(out, *want)
+
+
+class RopeCase:
+    """A decode step's q/k/v of each sequence's new token (the last of seqlens; the last sequence a graph's padding:
+    slot -1), its paged cache, and what the unfused kernels make of them."""
+
+    def __init__(self, seqlens, block_size, nheads, nheads_k, head_dim, splits, dtype, device):
+        self.nheads, self.nheads_k, self.head_dim, self.splits, self.dtype = nheads, nheads_k, head_dim, splits, dtype
+        batch = len(seqlens)
+        _, self.k_cache, self.v_cache, self.lens, self.table = make_paged(batch, seqlens, block_size, nheads,
+                                                                          nheads_k, head_dim, 1, dtype, device)
+        shape = (splits,) if splits else ()
+        self.qkv = torch.randn(*shape, batch, (nheads + 2 * nheads_k) * head_dim,
+                               dtype=torch.float32 if splits else dtype, device=device)
+        self.q, self.k, self.v = (t.unflatten(-1, (-1, head_dim)) for t in self.qkv.split(
+            [nheads * head_dim, nheads_k * head_dim, nheads_k * head_dim], dim=-1))
+        self.positions = self.lens - 1
+        rows = torch.arange(batch, device=device)
+        self.slots = self.table[rows, self.positions // block_size] * block_size + self.positions % block_size
+        self.slots[-1] = -1
+        self.cos_sin = rope_table(head_dim, 8192, device)
+
+    def expected(self):
+        dtype, d = self.dtype, self.head_dim
+        whole = [(t.sum(0) if self.splits else t.float()).to(dtype).float() for t in (self.q, self.k, self.v)]
+        cos, sin = self.cos_sin[self.positions.long()].chunk(2, dim=-1)
+        q_ref, k_new = (rotated(t, cos, sin).to(dtype) for t in whole[:2])
+        k_ref, v_ref = self.k_cache.clone(), self.v_cache.clone()
+        for b in range(len(self.slots) - 1):  # not the padding row's
+            k_ref.view(-1, self.nheads_k, d)[self.slots[b]] = k_new[b]
+            v_ref.view(-1, self.nheads_k, d)[self.slots[b]] = whole[2][b].to(dtype)
+        ref = paged_attention_ref(q_ref.unsqueeze(1).double(), k_ref.double(), v_ref.double(), self.lens,
+                                  self.table).squeeze(1)
+        return ref, k_ref, v_ref
+
+    def check(self, out, ref, k_ref, v_ref):
+        assert (self.k_cache == k_ref).float().mean() > 0.999 and (self.v_cache == v_ref).all()
+        assert torch.allclose(self.k_cache.float(), k_ref.float(), atol=2e-3, rtol=2e-3)
+        assert out.dtype == self.dtype and rel_err(out[:-1], ref[:-1]) < 1e-2
+        assert counters_at_zero(out.device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,group,num_splits", [(64, 7, 16), (64, 4, 16), (128, 8, 5)])
+def test_one_attention_kernel_gpu_bf16_in_a_graph(head_dim, group, num_splits, merge_in_split):
+    """decode_attention_rope on float32 partial sums with the splits merged in the split kernel, captured in a CUDA
+    graph and replayed on new q/k/v, lengths and slots: each replay writes and attends as the unfused kernels."""
+    from kernels.decode import decode_attention_rope
+
+    case = RopeCase([1, 4097, 333, 2048, 1500, 17, 700], 16, 2 * group, 2, head_dim, 4, torch.bfloat16, "cuda")
+    args = lambda: (case.q, case.k, case.v, case.positions, case.cos_sin, case.slots, case.k_cache,  # noqa: E731
+                    case.v_cache, case.lens, case.table, head_dim ** -0.5, num_splits)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        decode_attention_rope(*args())  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention_rope(*args())
+    for lens in ([2, 4000, 334, 1, 1501, 18, 700], [3000, 12, 1, 2049, 64, 17, 5]):
+        case.qkv.normal_()
+        case.lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        case.positions.copy_(case.lens - 1)
+        rows = torch.arange(len(lens), device="cuda")
+        case.slots.copy_(case.table[rows, case.positions // 16] * 16 + case.positions % 16)
+        case.slots[-1] = -1
+        want = case.expected()
+        graph.replay()
+        case.check(out, *want)

@@ -12,8 +12,19 @@ from tests.tiny_models import VOCAB, make_tiny_model
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(params=["as_is", "experiments"])
+def switches(request, monkeypatch):
+    """The decode step as it is, and with kernels/configs.py's experiments on (the projections' L2 prefetch; RoPE,
+    the cache write and the splits' merge in the attention kernel)."""
+    from kernels import configs
+    if request.param == "experiments":
+        for key in ("PREFETCH", "DECODE_ROPE_IN_ATTENTION", "DECODE_MERGE_IN_SPLIT"):
+            monkeypatch.setattr(configs, key, True)
+    return request.param
+
+
 @pytest.mark.parametrize("kind,overrides", [("qwen2", {}), ("llama", {"num_key_value_heads": 1}), ("qwen3", {})])
-def test_fused_steps_give_the_module_path_logits(tmp_path, kind, overrides):
+def test_fused_steps_give_the_module_path_logits(tmp_path, kind, overrides, switches):
     """A 21-token prompt (cuBLAS on the fused weights) and a 3-token one, then decode steps of 2 rows
     (kernels/decode_linear.py); bf16, so logits agree to bf16 rounding and greedy tokens agree."""
     path = make_tiny_model(kind, tmp_path, **overrides)
@@ -38,7 +49,7 @@ def test_fused_views_share_the_modules_weights(tmp_path):
     assert mlp.up_proj.weight.data_ptr() == mlp.gate_up_weight[mlp.gate_proj.out_features:].data_ptr()
 
 
-def test_engine_greedy_outputs_equal_the_unfused_path():
+def test_engine_greedy_outputs_equal_the_unfused_path(switches):
     """The embedded model (trained weights: clear argmax margins), CUDA graphs at batch 1 and 12 (decode_linear)
     and 40 (cuBLAS on the fused weights); then the graphs recaptured on the module path."""
     from service.engine.llm import LLM

@@ -1,6 +1,8 @@
 """What the interpreter cannot run, compiled for the H100 (sm_90) on the CPU: Triton's own ptxas turns the kernels'
 inline PTX into a cubin, so a typo in it fails here, not on the GPU machine. The prefetch of kernels/decode_linear.py
-(kernels.configs.PREFETCH) must ask for each piece of a program's weight slice once: one prefetch per thread.
+(kernels.configs.PREFETCH) must ask for each piece of a program's weight slice once: one prefetch per thread; the
+decode attention's last split program (kernels.configs.DECODE_MERGE_IN_SPLIT) counts itself in with one atomic at GPU
+scope that releases its partials and acquires the others', which it reads past L1.
 
 The tests run under the interpreter (tests/conftest.py), where @triton.jit makes functions it cannot compile: the
 compiling happens in a child process without it."""
@@ -37,6 +39,21 @@ def decode_linear_ptx(silu_mul: bool, block_n: int, split_k: int, lanes: int) ->
     return kernel.asm["ptx"]
 
 
+def decode_split_ptx(rope: bool, merge: bool) -> str:
+    from kernels.decode import _decode_split_kernel
+
+    pointers = {"Q": "*fp32" if rope else "*bf16", "KCache": "*bf16", "VCache": "*bf16", "CacheSeqlens": "*i32",
+                "BlockTable": "*i32", "QRows": "*i32", "Out": "*bf16", "PartialOut": "*fp32", "PartialLse": "*fp32",
+                "Counters": "*i32", "scale_log2": "fp32", "KNew": "*fp32", "VNew": "*fp32", "Positions": "*i64",
+                "CosSin": "*fp32", "SlotMapping": "*i64"}
+    constexprs = dict(GROUP=7, SEQLEN_Q=1, NUM_SPLITS=16, BLOCK_SIZE=16, HEAD_DIM=64, HEAD_DIM_PADDED=64,
+                      BLOCK_M=16, BLOCK_N=128, IS_CAUSAL=True, VARLEN_Q=False, ROPE_SPLITS=4 if rope else 0,
+                      MERGE_IN_SPLIT=merge, SPLITS_PADDED=16, PDL=True)
+    kernel = compile_for_sm90(_decode_split_kernel, pointers, constexprs, num_warps=4)
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
 def compiled(case: str, *args) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, case, json.dumps(args)], env=env, capture_output=True, text=True,
@@ -53,6 +70,16 @@ def test_decode_linear_prefetch_compiles_one_prefetch_per_thread(silu_mul, block
     assert "prefetch" not in compiled("decode_linear", silu_mul, block_n, split_k, 0)
 
 
+@pytest.mark.parametrize("rope", [False, True])
+def test_decode_split_merges_after_one_release_acquire_atomic(rope):
+    ptx = compiled("decode_split", rope, True)
+    atomics = [line.strip() for line in ptx.splitlines() if "atom." in line]
+    assert len(atomics) == 1 and atomics[0].startswith("@%p") and "atom.global.gpu.acq_rel.add" in atomics[0]
+    assert "ld.global.cg" in ptx and "bar.sync" in ptx.split("atom.global")[0].rsplit("st.global", 1)[1]
+    assert "atom." not in compiled("decode_split", rope, False)
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    print({"decode_linear": decode_linear_ptx}[sys.argv[1]](*json.loads(sys.argv[2])))
+    cases = {"decode_linear": decode_linear_ptx, "decode_split": decode_split_ptx}
+    print(cases[sys.argv[1]](*json.loads(sys.argv[2])))

@@ -30,3 +30,9 @@ def test_every_swept_lora_configuration_adds_the_updates():
         y = torch.zeros(rows, n)
         lora_add_(x, [(y, 0, rank * k)], weights, scales, tiles, rank, config=cfg)
         assert rel_err(y, want) < 1e-5, cfg
+
+
+def test_every_path_switch_is_a_setting_of_kernels_configs():
+    from kernels import configs
+    for _, _, switches in step_profile.PATHS:
+        assert all(isinstance(getattr(configs, key), bool) for key in switches)

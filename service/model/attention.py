@@ -71,6 +71,22 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return varlen_attention_ref(q, torch.cat(keys), torch.cat(values), cu_q, cu_k, scale, causal=True)[0]
 
 
+def rope_in_attention(q, meta: AttentionMetadata, head_dim: int) -> bool:
+    """Whether a decode step's attention kernel also rotates q and k and writes the new K/V into the cache, saving
+    the RoPE kernel's launch (kernels.configs.DECODE_ROPE_IN_ATTENTION, an experiment until measured)."""
+    from kernels import configs
+    return (configs.DECODE_ROPE_IN_ATTENTION and meta.decode and use_triton(q.device) and head_dim >= 16
+            and head_dim & (head_dim - 1) == 0)
+
+
+def decode_attention_rope(q, k, v, positions, cos_sin, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """A decode step's rotation, cache write and attention in one kernel (where rope_in_attention): q/k/v of the new
+    tokens, or the projection's float32 partial sums, unrotated (kernels.decode.decode_attention_rope)."""
+    from kernels.decode import decode_attention_rope as attend
+    return attend(q, k, v, positions, cos_sin, meta.slot_mapping, k_cache, v_cache, meta.seqlens_k, meta.block_table,
+                  scale, meta.num_splits)
+
+
 def dense_attention(q, k, v, scale: float):
     """Training path, differentiable, no cache: q [batch, seq, heads, d], k/v [batch, seq, heads_k, d]."""
     if use_triton(q.device):

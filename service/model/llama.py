@@ -9,7 +9,14 @@ Two forwards share every layer:
 import torch
 from torch import nn
 
-from service.model.attention import AttentionMetadata, dense_attention, paged_attention, varlen_attention
+from service.model.attention import (
+    AttentionMetadata,
+    decode_attention_rope,
+    dense_attention,
+    paged_attention,
+    rope_in_attention,
+    varlen_attention,
+)
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
 from service.model.lora import add_slot_updates
@@ -40,7 +47,8 @@ class Attention(nn.Module):
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata):
-        """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel. Up to
+        """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel, or in the
+        attention kernel of a decode step (service.model.attention.rope_in_attention). Up to
         decode_linear's rows, both projections hand float32 partial sums over ranges of K to the kernel after them
         (more programs stream the weight), except where the q/k norms need whole q and k, or o's output is
         all-reduced first."""
@@ -51,8 +59,12 @@ class Attention(nn.Module):
                                                                 self.num_kv_heads * d], dim=-1))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
-        out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
+        if rope_in_attention(q, meta, d):
+            out = decode_attention_rope(q, k, v, positions, rotary.cos_sin, self.k_cache, self.v_cache, meta,
+                                        self.scale).reshape(rows, -1)
+        else:
+            q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
+            out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
         projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1)
         return all_reduce(projected, self.tp)
 
