@@ -1,8 +1,8 @@
 """Speculative decoding (service/engine/speculative.py): what a verify step costs and what speculation earns.
 
 1. verify_cost: one step of B decoding sequences (context ~`--context` tokens) scoring k = 2, 4, 8 draft tokens
-   each (k + 1 query rows through the prefill path, its CUDA graphs when they hold the step), against a plain decode
-   step (k = 0, a decode graph), at B = 1, 8, 32: median ms of `--reps` runs of the runner.
+   each (k + 1 decode rows, the decode graph of their count), against a plain decode step (k = 0, a decode
+   graph), at B = 1, 8, 32: median ms of `--reps` runs of the runner.
 2. forced_acceptance: tokens/s of greedy generation whose verification is forced to keep each draft token with
    probability `alpha` (ForcedAcceptance): the speedup as a function of the acceptance rate, k = 4, against no
    speculation, with the acceptance back-off (`speculative_min_acceptance`, its default) and without it

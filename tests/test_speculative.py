@@ -252,22 +252,56 @@ def _plain_registry() -> CollectorRegistry:
     return registry
 
 
+def plans_of_verifies(llm) -> list:
+    """Records the plan of every step of llm's runner that verifies drafts."""
+    runner, plans = llm.engine.runner, []
+    plan = runner.plan
+
+    def recording(batch, pending):
+        planned = plan(batch, pending)
+        if batch.drafts:
+            plans.append(planned[0])
+        return planned
+
+    runner.plan = recording
+    return plans
+
+
+@pytest.mark.parametrize("verify_as_decode", [True, False])
+def test_verify_rows_run_as_decode_rows(prompts, plain, monkeypatch, verify_as_decode):
+    """A step of verifies runs as decode rows, one per token (the runner's doc), or, where the attention kernel
+    writes the K/V itself (DECODE_ROPE_IN_ATTENTION), through the prefill path: the same greedy tokens either way."""
+    from kernels import configs
+    monkeypatch.setattr(configs, "DECODE_ROPE_IN_ATTENTION", not verify_as_decode)
+    llm = make_llm(**SPEC)
+    plans = plans_of_verifies(llm)
+    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == plain[:4]
+    assert plans and all(p.decode == verify_as_decode for p in plans)
+    assert all(p.num_seqs == (p.num_tokens if verify_as_decode else p.num_seqs) for p in plans)
+    assert any(p.num_tokens > 1 for p in plans)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_greedy_outputs_on_the_gpu(prompts, graphs):
-    """On CUDA, float32: verify steps through our prefill kernel (replayed from the prefill graphs when `graphs`)
-    give the tokens that decode steps through the decode kernel give."""
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_greedy_outputs_on_the_gpu(prompts, graphs, rope_in_attention, monkeypatch):
+    """On CUDA, float32: verify steps as decode rows through the decode kernel (replayed from the decode graphs when
+    `graphs`), or, with RoPE in the attention kernel, through our prefill kernel (and the prefill graphs), give the
+    tokens that plain decode steps give."""
+    from kernels import configs
+    from service.engine.model_runner import DECODE_GRAPH, PREFILL_GRAPH
+    monkeypatch.setattr(configs, "DECODE_ROPE_IN_ATTENTION", rope_in_attention)
     outs = {}
     for method in (None, "ngram"):
         llm = LLM(None, device="cuda", dtype="float32", num_kv_blocks=512, cuda_graphs=graphs,
                   **(SPEC if method else {}))
-        runner, replays = llm.engine.runner, []
-        replay = runner._replay_prefill
-        runner._replay_prefill = lambda key, *args: replays.append(key) or replay(key, *args)
+        plans = plans_of_verifies(llm)
         outs[method] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         if method:
-            assert llm.engine.speculator.stats.accepted_tokens and bool(replays) == graphs
+            assert llm.engine.speculator.stats.accepted_tokens and plans
+            if graphs:
+                assert {p.kind for p in plans} == {PREFILL_GRAPH if rope_in_attention else DECODE_GRAPH}
         assert_no_leaks(llm)
-        del llm, runner
+        del llm
         torch.cuda.empty_cache()
     assert outs["ngram"] == outs[None]

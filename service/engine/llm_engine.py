@@ -471,6 +471,7 @@ class LLMEngine:
             verified = []
             if batch.drafts:  # a speculative step: the verified sequences' rows leave, the others are sampled
                 logits, index, verified = self.speculator.verify(logits, index, batch.drafts, batch.seqs)
+                greedy = None  # a decode graph's argmax covered the verified rows too
             seqs = [batch.seqs[i] for i in index]
             if batch.forks:  # each fork samples from its parent's row: the same prompt, its own draw
                 rows = [seqs.index(parent) for _, parent in batch.forks]

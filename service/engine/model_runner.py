@@ -10,6 +10,12 @@ replay graphs of their own, captured with the LoRA path: the runner keeps up to 
 slots (service/model/lora.py LoRASlots), and a step's inputs say which rows use which slot (kernels/lora.py).
 Steps with dense adapters, or ranks past `max_lora_rank`, run eagerly through the adapters' forward hooks.
 
+A speculative verify (a sequence's last token and its draft tokens, every row sampled) runs as decode rows: row j
+attends its sequence's keys up to its own token, in its sequence's blocks, as if it were a sequence of its own. A
+step of decodes and verifies then replays a decode graph (its argmax inside) by its row count, and the split-KV
+decode kernel computes each row as plain decoding computes that token; a verify costs its rows, not a prefill
+graph's bucket.
+
 A decode input may be a token the previous step sampled that the host has not seen yet (PENDING): the runner
 takes it from that step's sampled tokens on the device, so no step waits for the host to learn the previous one.
 
@@ -25,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kernels import configs as kernel_configs
 from kernels import lora as lora_kernels
 from kernels.decode import choose_num_splits
 from kernels.prefill import max_tiles, multi_row_tiles
@@ -266,24 +273,35 @@ class ModelRunner:
         plan = StepPlan(EAGER, (0, 0), len(input_ids), len(batch.seqs), len(sample_rows),
                         len(pending) if pending is not None and fill_rows else 0, batch.copies,
                         self._adapter_changes())
-        # A decode graph samples every row: a one-token prompt chunk that is not the prompt's last (room for one
-        # more token beside the decodes) makes the step a mixed one.
-        decode = len(input_ids) == len(batch.seqs) == len(sample_rows)
         adapters = any(seq.adapter for seq in batch.seqs)
         seq_slots = self._assign_slots(plan, batch.seqs) if adapters else None
         hooks = adapters and seq_slots is None  # adapters that only the eager forward's hooks can serve
         graphs, prefill_graphs = ((self.lora_graphs, self.lora_prefill_graphs) if seq_slots is not None
                                   else (self.graphs, self.prefill_graphs))
+        # A decode graph samples every row: a one-token prompt chunk that is not the prompt's last (room for one
+        # more token beside the decodes) makes the step a mixed one. Verifies are decode rows (the module's doc)
+        # unless their rows outnumber the largest decode graph's, or the attention kernel writes a row's K/V itself
+        # (DECODE_ROPE_IN_ATTENTION: a verify's rows read each other's).
+        tables = batch.block_tables
+        decode = len(input_ids) == len(sample_rows)
+        if decode and len(input_ids) > len(batch.seqs):
+            decode = not kernel_configs.DECODE_ROPE_IN_ATTENTION and len(input_ids) <= max(graphs, default=1 << 30)
+            if decode:
+                tables = [table for table, n in zip(tables, seqlens_q) for _ in range(n)]
+                seqlens_k = [end - n + j + 1 for n, end in zip(seqlens_q, seqlens_k) for j in range(n)]
+                seqlens_q = [1] * len(input_ids)
+                plan.num_seqs = len(input_ids)
         if decode:
-            key = next((bs for bs in graphs if bs >= len(batch.seqs)), None)
+            key = next((bs for bs in graphs if bs >= len(input_ids)), None)
         else:
             key = next((k for k in prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
         plan.lora = seq_slots is not None
         if key is not None and not hooks and decode:
             plan.kind, plan.key = DECODE_GRAPH, (key, 0)
-            plan.arrays = self._decode_rows(key, batch, input_ids)
+            plan.arrays = self._decode_rows(key, batch, input_ids, seqlens_k, tables)
             if plan.lora:
-                plan.arrays.append(lora_kernels.lora_tiles(seq_slots, self._lora_tiles(key)))
+                row_slots = np.repeat(seq_slots, batch.num_tokens)
+                plan.arrays.append(lora_kernels.lora_tiles(row_slots, self._lora_tiles(key)))
             return plan, sample_index
         sources = None
         if fill_rows:
@@ -292,13 +310,13 @@ class ModelRunner:
         row_slots = np.repeat(seq_slots, batch.num_tokens) if plan.lora else None
         if key is not None and not hooks:
             plan.kind, plan.key = PREFILL_GRAPH, key
-            plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, batch.block_tables,
+            plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, tables,
                                           self.prefill_static["tokens"].shape[1], self.prefill_static["block_table"]
                                           .shape[0], sources, sample_rows, num_tiles=self._num_tiles))
             if plan.lora:
                 plan.arrays.append(lora_kernels.lora_tiles(row_slots, self._lora_tiles(key[0])))
             return plan, sample_index
-        self._plan_eager(plan, input_ids, seqlens_q, seqlens_k, batch.block_tables, sources, sample_rows)
+        self._plan_eager(plan, input_ids, seqlens_q, seqlens_k, tables, sources, sample_rows)
         if plan.lora:
             plan.arrays += [lora_kernels.lora_tiles(row_slots, self._lora_tiles(len(input_ids))), row_slots]
         elif hooks:
@@ -593,16 +611,20 @@ class ModelRunner:
                               self.max_model_len, max_tiles(t, b))
         return lambda: self.model(tokens[0, :t], tokens[2, :t], meta)
 
-    def _decode_rows(self, bs: int, batch: ScheduledBatch, input_ids: list[int]) -> list[np.ndarray]:
-        """A decode graph's inputs: a row per sequence of its token, the row of the previous step's sampled tokens to
-        take it from instead (-1: none), its position, slot and key count, and its row of the block tables on the
-        device; and the (row, column, block) entries of those tables that changed (see _sync_tables)."""
-        block_size, tables, n = self.block_size, batch.block_tables, len(batch.seqs)
-        table_rows, updates = self._sync_tables(batch.seqs, tables)
+    def _decode_rows(self, bs: int, batch: ScheduledBatch, input_ids: list[int], seqlens_k: list[int],
+                     tables: list[list[int]]) -> list[np.ndarray]:
+        """A decode graph's inputs: a row per token (a sequence's, or one of a verify's: seqlens_k and tables per
+        row) of its id, the row of the previous step's sampled tokens to take it from instead (-1: none), its
+        position, slot and key count, and its sequence's row of the block tables on the device; and the (row,
+        column, block) entries of those tables that changed (see _sync_tables)."""
+        block_size, n = self.block_size, len(input_ids)
+        table_rows, updates = self._sync_tables(batch.seqs, batch.block_tables)
+        owners = [(seq, row) for seq, row, k in zip(batch.seqs, table_rows, batch.num_tokens) for _ in range(k)]
         head = []
-        for token, table, start, seq, row in zip(input_ids, tables, batch.starts, batch.seqs, table_rows):
-            head += (token, seq.pending_row if token == PENDING else -1, start,
-                     table[start // block_size] * block_size + start % block_size, start + 1, row)
+        for token, table, keys, (seq, row) in zip(input_ids, tables, seqlens_k, owners):
+            at = keys - 1
+            head += (token, seq.pending_row if token == PENDING else -1, at,
+                     table[at // block_size] * block_size + at % block_size, keys, row)
         rows = np.zeros((bs, DECODE_COLUMNS), dtype=np.int32)
         rows[:n, :6] = np.asarray(head, dtype=np.int32).reshape(n, 6)
         rows[n:, 1] = rows[n:, 3] = -1  # padding rows: no slot, no keys

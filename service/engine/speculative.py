@@ -1,6 +1,7 @@
 """Speculative decoding: proposers guess a sequence's next tokens, the target model scores the guesses and the
-token after them in one step (k + 1 query rows over the cached context, through the varlen prefill path and its
-CUDA graphs), and verification keeps the longest prefix the target agrees with, plus one token of its own.
+token after them in one step (k + 1 query rows over the cached context, run as decode rows: see
+service.engine.model_runner), and verification keeps the longest prefix the target agrees with, plus one token of
+its own.
 
 Exactness. A greedy sequence accepts a draft token while it equals the target's argmax, then takes the argmax at
 the first mismatch (or after the last draft): the tokens it would have produced one step at a time. A sampled
@@ -17,9 +18,9 @@ compute, where scoring guesses costs more than it saves).
 
 Acceptance back-off (`speculative_min_acceptance`): every verify moves the sequence's exponential moving average
 of its accepted fraction (accepted / drafted tokens; weight EMA_WEIGHT, from 1.0) towards that verify's. Below the
-threshold the sequence proposes nothing for its next BACKOFF_MIN tokens (no lookup, no verify rows: a verify also
-takes the whole step off the decode graphs), then tries one draft again; each failed try doubles the pause, up to
-BACKOFF_MAX, and a verify that lifts the average back over the threshold resets it. A request that stops copying
+threshold the sequence proposes nothing for its next BACKOFF_MIN tokens (no lookup, no verify rows), then tries one
+draft again; each failed try doubles the pause, up to BACKOFF_MAX, and a verify that lifts the average back over the
+threshold resets it. A request that stops copying
 soon stops paying for drafts, one that starts copying again gets them back within BACKOFF_MAX tokens. It reads
 only the sequence's own drafts and tokens: greedy outputs stay those of plain decoding, seeded ones reproducible.
 
