@@ -3,13 +3,13 @@
 1. verify_cost: one step of B decoding sequences (context ~`--context` tokens) scoring k = 2, 4, 8 draft tokens
    each (k + 1 decode rows, the decode graph of their count), against a plain decode step (k = 0, a decode
    graph), at B = 1, 8, 32: median ms of `--reps` runs of the runner.
-2. forced_acceptance: tokens/s of greedy generation whose verification is forced to keep each draft token with
-   probability `alpha` (ForcedAcceptance): the speedup as a function of the acceptance rate, k = 4, against no
+2. forced_acceptance: tokens/s of greedy generation whose verification is forced to acceptance `alpha`
+   (ForcedAcceptance): the speedup as a function of the acceptance rate, k = 4, against no
    speculation, with the acceptance back-off (`speculative_min_acceptance`, its default) and without it
    (`no_backoff`): where the latter's speedup falls below 1 the back-off should recover it.
 3. copy_heavy_vs_free: the n-gram proposer on the embedded (trained) model, prompts that repeat a fortune (the
-   output copies it) against prompts that do not: tokens/s with and without speculation (and without the back-off),
-   and the acceptance rate.
+   output copies it) against prompts that do not, all at once and one at a time (a single stream): tokens/s with
+   and without speculation (and without the back-off), and the acceptance rate.
 
 4. draft_model: single-stream tokens/s of greedy generation with a draft model (service/engine/draft_model.py),
    k = 4, against no speculation: the target as its own draft (every draft accepted: the machinery's best case, a
@@ -107,21 +107,30 @@ def verify_cost(model: str | None, device: str, batches: list[int], ks: list[int
 
 
 class ForcedAcceptance:
-    """A proposer and a greedy verification forced to acceptance alpha: drafts k arbitrary tokens, and in place of
-    speculative.accept_greedy keeps each with probability alpha up to the first one not kept, then takes the
-    target's token there. The steps are those of a proposer at acceptance alpha whatever the weights (with random
-    ones no proposer agrees with the target, and bf16 verify and decode kernels round near ties apart, so drafts
-    taken from a reference output stop matching soon); the tokens generated are not the model's: times only."""
+    """A proposer and a greedy verification forced to acceptance alpha (accepted / drafted tokens, as the engine
+    counts it): drafts k arbitrary tokens, and in place of speculative.accept_greedy keeps each with the probability
+    p, up to the first one not kept, then takes the target's token there; p is such that a draft of n tokens keeps
+    alpha n of them on average ((p + p^2 + .. + p^n) / n = alpha). The steps are those of a proposer at acceptance
+    alpha whatever the weights (with random ones no proposer agrees with the target, and bf16 verify and decode
+    kernels round near ties apart, so drafts taken from a reference output stop matching soon); the tokens generated
+    are not the model's: times only."""
 
     def __init__(self, alpha: float, seed: int = 0):
-        self.alpha, self.rng = alpha, random.Random(seed)
+        self.alpha, self.rng, self.keep = alpha, random.Random(seed), {}
 
     def propose(self, seqs, limits):
         return [[seq.token_ids[-1]] * k for seq, k in zip(seqs, limits)]
 
     def accept(self, draft: list[int], targets: list[int]) -> list[int]:
+        n = len(draft)
+        if n not in self.keep:  # bisection: the mean kept fraction grows with p
+            lo, hi = 0.0, 1.0
+            for _ in range(40):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if sum(mid ** i for i in range(1, n + 1)) / n < self.alpha else (lo, mid)
+            self.keep[n] = hi if self.alpha >= 1 else lo
         kept = 0
-        while kept < len(draft) and self.rng.random() < self.alpha:
+        while kept < n and self.rng.random() < self.keep[n]:
             kept += 1
         return draft[:kept] + [targets[kept]]
 
@@ -183,6 +192,8 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
 
 
 def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list:
+    """The n-gram proposer on the embedded model: `count` prompts at once, and one at a time (a single stream), of
+    each workload."""
     texts = gzip.decompress((DEFAULT_MODEL_DIR / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
     fortunes = [t for t in texts[100:2000] if 60 < len(t) < 160][:count]
     workloads = {"copy_heavy": [f + "\n%\n" + f + "\n%\n" + f[:20] for f in fortunes],
@@ -190,30 +201,43 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for name, prompts in workloads.items():
-        row = {"workload": name, "prompts": len(prompts), "k": k}
-        outputs = {}
-        for method in (None, "ngram"):
-            llm = LLM(None, device=device, speculative_method=method, num_speculative_tokens=k,
-                      enable_prefix_caching=False)
-            generate(llm, prompts[:1], params)
-            outputs[method], seconds = generate(llm, prompts, params)
-            row[f"{method or 'plain'}_tokens_per_s"] = len(prompts) * new_tokens / seconds
-            if method:
-                s = llm.engine.speculator.stats
-                row["acceptance"] = s.accepted_tokens / max(s.draft_tokens, 1)
-                row["mean_accepted_per_draft"] = s.accepted_tokens / max(s.drafts, 1)
-                row["backoffs"] = s.backoffs
-                llm.engine.speculator.min_acceptance = 0.0  # the same engine, warm, without the back-off
-                _, seconds = generate(llm, prompts, params)
-                row["ngram_no_backoff_tokens_per_s"] = len(prompts) * new_tokens / seconds
-            llm.engine.close()
-            del llm
-            free_memory()
-        row["identical_to_plain"] = outputs[None] == outputs["ngram"]
-        row["speedup"] = row["ngram_tokens_per_s"] / row["plain_tokens_per_s"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        for streams in (len(prompts), 1):
+            # one at a time: a few prompts, each its own generate call
+            todo = [prompts] if streams > 1 else [[p] for p in prompts[:max(2, len(prompts) // 8)]]
+            row = {"workload": name, "streams": streams, "prompts": sum(map(len, todo)), "k": k}
+            outputs = {}
+            for method in (None, "ngram"):
+                llm = LLM(None, device=device, speculative_method=method, num_speculative_tokens=k,
+                          enable_prefix_caching=False)
+                generate(llm, prompts[:1], params)
+                outputs[method], seconds = run_all(llm, todo, params)
+                row[f"{method or 'plain'}_tokens_per_s"] = row["prompts"] * new_tokens / seconds
+                if method:
+                    s = llm.engine.speculator.stats
+                    row["acceptance"] = s.accepted_tokens / max(s.draft_tokens, 1)
+                    row["mean_accepted_per_draft"] = s.accepted_tokens / max(s.drafts, 1)
+                    row["backoffs"] = s.backoffs
+                    llm.engine.speculator.min_acceptance = 0.0  # the same engine, warm, without the back-off
+                    _, seconds = run_all(llm, todo, params)
+                    row["ngram_no_backoff_tokens_per_s"] = row["prompts"] * new_tokens / seconds
+                llm.engine.close()
+                del llm
+                free_memory()
+            row["identical_to_plain"] = outputs[None] == outputs["ngram"]
+            row["speedup"] = row["ngram_tokens_per_s"] / row["plain_tokens_per_s"]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
+
+
+def run_all(llm: LLM, groups: list[list], params: SamplingParams) -> tuple[list[list[int]], float]:
+    """Each group of prompts generated together, one group after the other: the outputs and the seconds in all."""
+    outputs, seconds = [], 0.0
+    for prompts in groups:
+        out, s = generate(llm, prompts, params)
+        outputs += out
+        seconds += s
+    return outputs, seconds
 
 
 def fewer_layers(src: Path, dst: Path, layers: int) -> Path:
@@ -321,7 +345,43 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out / 'spec.json'}")
+    plot(result, out / "spec.png")
+    print(f"wrote {out / 'spec.json'} and spec.png")
+
+
+def plot(result: dict, path: Path) -> None:
+    """Three panels, those of the sections that ran: a verify step's time over a decode step's by draft length, one
+    line per batch; speedup over plain decoding against the forced acceptance rate, one line per batch (dashed:
+    without the back-off); the n-gram proposer's speedup by workload and streams."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (verify, forced, workloads) = plt.subplots(1, 3, figsize=(16, 4.5))
+    for row in result.get("verify_cost", []):
+        ks = sorted(int(key[1:-len("_vs_decode")]) for key in row if key.endswith("_vs_decode"))
+        verify.plot(ks, [row[f"k{k}_vs_decode"] for k in ks], marker="o", label=f"batch {row['batch']}")
+    verify.set(xlabel="draft tokens k", ylabel="verify step / decode step", title="Verify step cost")
+    for row in result.get("forced_acceptance", []):
+        alphas = sorted(float(key[5:]) for key in row if key.startswith("alpha"))
+        line, = forced.plot(alphas, [row[f"alpha{a}"]["speedup"] for a in alphas], marker="o",
+                            label=f"batch {row['batch']}")
+        forced.plot(alphas, [row[f"alpha{a}"]["no_backoff"]["speedup"] for a in alphas], ls="--",
+                    color=line.get_color())
+    forced.axhline(1.0, color="gray", lw=0.8)
+    forced.set(xlabel="acceptance (accepted / drafted)", ylabel="tokens/s over plain decoding",
+               title=f"Forced acceptance, k = 4 ({result['model']})")
+    rows = result.get("copy_heavy_vs_free", [])
+    workloads.bar(range(len(rows)), [r["speedup"] for r in rows])
+    workloads.set_xticks(range(len(rows)), [f"{r['workload']}\n{r['streams']} stream(s)" for r in rows])
+    workloads.axhline(1.0, color="gray", lw=0.8)
+    workloads.set(ylabel="tokens/s over plain decoding", title="n-gram proposals, embedded model")
+    for ax in (verify, forced):
+        if ax.lines:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
