@@ -153,8 +153,8 @@ class BlockManager:
     def truncate(self, seq_id, num_tokens: int) -> None:
         """Gives back the blocks past the first num_tokens slots: those that only a speculative step's rejected draft
         tokens reached (append's lookahead). They were never registered in the prefix cache: it registers only
-        blocks wholly before the last token. A table never loses the blocks of the tokens its sequence has, so to
-        anyone who saw it between steps (the runner's decode-graph tables) it only grows."""
+        blocks wholly before the last token. A table never loses the blocks of the tokens its sequence has (the
+        runner's decode-graph tables, which saw the lookahead's, rewrite the new last entry)."""
         table = self.tables[seq_id]
         keep = max(self._num_blocks(num_tokens), self._num_blocks(self.num_tokens[seq_id]))
         while len(table) > keep:

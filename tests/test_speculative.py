@@ -305,3 +305,44 @@ def test_greedy_outputs_on_the_gpu(prompts, graphs, rope_in_attention, monkeypat
         del llm
         torch.cuda.empty_cache()
     assert outs["ngram"] == outs[None]
+
+
+def test_decode_graph_inputs_of_a_verify_and_of_the_step_after_its_rejections():
+    """The host side of a verify through a decode graph (runner.plan with graphs it pretends to hold; the GPU test
+    above replays them): a row per token at its own position, slot and key count in its sequence's table row; then
+    the verify's lookahead block given back (its drafts rejected) and a plain decode step: the table row's new last
+    entry rewritten."""
+    from service.engine.model_runner import DECODE_GRAPH
+    from service.engine.scheduler import ScheduledBatch
+
+    llm = make_llm(**SPEC)
+    engine, runner = llm.engine, llm.engine.runner
+    engine.add_request("r", list(range(100, 127)), GREEDY)  # 27 tokens: the 28th's slot is the 12th of block 1
+    while not engine.scheduler.running or engine.scheduler.running[0].num_computed_tokens < 27:
+        engine.step()
+    seq, bm, size = engine.scheduler.running[0], engine.scheduler.block_manager, runner.block_size
+    runner.graphs, runner._free_table_rows = dict.fromkeys([1, 2, 4, 8]), list(range(8))
+
+    def step(draft: list[int]) -> tuple:
+        batch = ScheduledBatch()
+        assert bm.append(seq.request_id, seq.cache_keys, len(draft)) is not None
+        batch.seqs, batch.starts, batch.num_tokens = [seq], [seq.num_computed_tokens], [1 + len(draft)]
+        batch.is_prefill, batch.block_tables = [False], [bm.tables[seq.request_id]]
+        if draft:
+            batch.drafts[0] = draft
+        plan, index = runner.plan(batch, None)
+        assert plan.kind == DECODE_GRAPH and index == [0] * (1 + len(draft))
+        return plan.key[0], *plan.arrays
+
+    start, table = seq.num_computed_tokens, bm.tables[seq.request_id]
+    key, rows, updates = step([7, 8, 9, 10, 11, 12])  # 7 rows: positions 28..34 cross into block 2
+    assert key == 8 and len(table) == 3
+    positions = list(range(start, start + 7))
+    assert rows[:7, 2].tolist() == positions and rows[:7, 4].tolist() == [p + 1 for p in positions]
+    assert rows[:7, 3].tolist() == [table[p // size] * size + p % size for p in positions]
+    assert len(set(rows[:7, 5].tolist())) == 1 and (rows[7:, 3] == -1).all()
+    assert sorted(updates[:, 1].tolist()) == [0, 1, 2] and updates[2, 2] == table[2]
+    engine.scheduler.accept(seq, 0)  # every draft token rejected: the lookahead's block goes back
+    assert len(table) == 2
+    _, rows, updates = step([])
+    assert updates.tolist() == [[rows[0, 5], 1, table[1]]]

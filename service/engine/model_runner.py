@@ -652,8 +652,9 @@ class ModelRunner:
         """Each sequence's row in the decode graphs' block tables on the device, and the (row, column, block)
         entries to write there: what changed since its last decode step: all of a table the rows do not hold (a
         sequence new to decode steps, or whose table was replaced: preempted and readmitted), else its new blocks,
-        and its last block again if copy-on-write replaced it. A sequence absent from a decode step gives its row
-        back."""
+        and its last block again if copy-on-write replaced it or the table lost blocks (those a verify's rejected
+        draft tokens reached: entries past a table's end stay, never read). A sequence absent from a decode step
+        gives its row back."""
         held, present = self._table_rows, set(seqs)
         for seq in [seq for seq in held if seq not in present]:
             self._free_table_rows.append(held.pop(seq)[1])
@@ -668,7 +669,10 @@ class ModelRunner:
                 if synced == len(table) and table[-1] == last:
                     rows.append(row)
                     continue
-                start = synced - 1 if table[synced - 1] != last else synced
+                if synced > len(table):  # blocks given back since (a verify's rejected lookahead, its last new)
+                    start = len(table) - 1
+                else:
+                    start = synced - 1 if table[synced - 1] != last else synced
             for col in range(start, len(table)):
                 updates += (row, col, table[col])
             held[seq] = (table, row, len(table), table[-1])
