@@ -252,6 +252,32 @@ def _plain_registry() -> CollectorRegistry:
     return registry
 
 
+def test_steps_that_do_not_propose_overlap(prompts, plain):
+    """Async scheduling with speculation off at 3 running sequences or more: those steps overlap (one is in flight
+    when step() returns), the later ones propose (after completing the step in flight) and a step that verifies
+    completes at once; greedy outputs are plain decoding's (prefixes of it: four requests ending after 10, 20, 30
+    and 40 tokens)."""
+    llm = make_llm(**SPEC, async_scheduling=True, speculative_disable_by_batch_size=3)
+    engine, lengths, in_flight = llm.engine, [10, 20, 30, 40], []
+    step = engine.step
+
+    def recording_step():
+        proposing, drafts = engine.speculator.active(engine.scheduler.running), engine.speculator.stats.drafts
+        result = step()
+        in_flight.append((proposing, engine.speculator.stats.drafts > drafts, engine._in_flight is not None))
+        return result
+
+    engine.step = recording_step
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    outputs = [o.token_ids for o in llm.generate(prompts[:4], params)]
+    assert outputs == [p[:n] for p, n in zip(plain[:4], lengths)]
+    assert any(flying for proposing, _, flying in in_flight if not proposing)
+    assert any(verified for _, verified, _ in in_flight)
+    assert not any(flying for _, verified, flying in in_flight if verified)
+    assert engine.speculator.stats.accepted_tokens
+    assert_no_leaks(llm)
+
+
 def plans_of_verifies(llm) -> list:
     """Records the plan of every step of llm's runner that verifies drafts."""
     runner, plans = llm.engine.runner, []

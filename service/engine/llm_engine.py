@@ -9,10 +9,12 @@ dropped. Requests whose sampling needs the previous token on the host (the repet
 penalties, grammars) sample late: step N+1's forward pass is launched first, then N's tokens are read and the
 grammars' masks filled while it runs, then N+1 samples.
 
-Speculative decoding (`speculative_method`, service.engine.speculative) runs steps synchronously: proposals need
-every sequence's last token on the host. Before each step the proposer drafts tokens for decoding sequences (a
-draft model runs its own steps for them: service.engine.draft_model); the step scores them, and verification
-appends the accepted ones and the target's next token, all reported at once.
+Speculative decoding (`speculative_method`, service.engine.speculative) runs the steps that propose synchronously:
+proposals need every sequence's last token on the host, so such a step first completes the one in flight, and a
+step that verifies completes at once. Before it the proposer drafts tokens for decoding sequences (a draft model
+runs its own steps for them: service.engine.draft_model); the step scores them, and verification appends the
+accepted ones and the target's next token, all reported at once. Steps that do not propose (at
+`speculative_disable_by_batch_size` sequences or more) overlap as without speculation.
 """
 import functools
 import gc
@@ -170,7 +172,6 @@ class LLMEngine:
             self.speculator = Speculator(proposer, s.num_speculative_tokens, s.speculative_disable_by_batch_size,
                                          self.max_model_len, s.speculative_min_acceptance)
         self.overlap = s.async_scheduling if s.async_scheduling is not None else self.device.type == "cuda"
-        self.overlap &= self.speculator is None  # proposals read every sequence's last token on the host
         self._in_flight: _InFlight | None = None
         # Weights' metadata, the tokenizer and compiled kernels live as long as the engine: freezing them keeps
         # the garbage collector from rescanning them in pauses between steps.
@@ -444,13 +445,16 @@ class LLMEngine:
         # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
         with torch.inference_mode():
             if self.speculator is not None:
+                if self._in_flight is not None and self.speculator.active(self.scheduler.running):
+                    outputs += self._complete()  # proposals read every sequence's last token
                 self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
             launched = self._launch(batch, outputs) if batch.seqs else None
             if self._in_flight is not None:
                 outputs += self._complete()
             self._in_flight = launched
-            if launched is not None and not self.overlap:
+            # A verify's tokens join their sequences when its step completes: before the next one is scheduled.
+            if launched is not None and (not self.overlap or batch.drafts):
                 outputs += self._complete()
         if not batch.seqs:
             return outputs, None

@@ -149,17 +149,23 @@ class Speculator:
         self.stats = SpecStats(accepted_per_position=[0] * num_tokens)
         self.failures_in_a_row = 0
 
+    def active(self, running: list[Sequence]) -> bool:
+        """Whether the next step proposes: not with `speculative_disable_by_batch_size` sequences running or more,
+        nor after the proposer failed for good. The engine overlaps the steps that do not (a proposal reads every
+        sequence's last token on the host)."""
+        return self.failures_in_a_row < MAX_PROPOSER_FAILURES and (
+            self.disable_by_batch_size is None or len(running) < self.disable_by_batch_size)
+
     def propose(self, running: list[Sequence]) -> None:
         """Sets seq.draft for every running sequence: draft tokens for those that decode next step and are not
-        backing off, else none. A draft leaves room for the token the target adds after it, within max_new_tokens
-        and the context."""
+        backing off, else none (none at all when not `active`). A draft leaves room for the token the target adds
+        after it, within max_new_tokens and the context."""
         for seq in running:
             seq.draft = []
         acceptance = self.acceptance
         if len(acceptance) > len(running):  # forget finished sequences (preempted ones keep their history)
             self.acceptance = acceptance = {s: a for s, a in acceptance.items() if s.status is not Status.FINISHED}
-        if self.failures_in_a_row >= MAX_PROPOSER_FAILURES or (
-                self.disable_by_batch_size is not None and len(running) >= self.disable_by_batch_size):
+        if not self.active(running):
             return
         eligible, limits = [], []
         for seq in running:
