@@ -11,13 +11,16 @@
    output copies it) against prompts that do not, all at once and one at a time (a single stream): tokens/s with
    and without speculation (and without the back-off), and the acceptance rate.
 
-4. draft_model: single-stream tokens/s of greedy generation with a draft model (service/engine/draft_model.py),
+4. many_streams: what speculation on costs at 128 streams of random prompts, where it cannot pay: tokens/s with
+   the n-gram proposer (speculative_disable_by_batch_size unset, 64, 32, 16) against speculation off.
+
+5. draft_model: single-stream tokens/s of greedy generation with a draft model (service/engine/draft_model.py),
    k = 4, against no speculation: the target as its own draft (every draft accepted: the machinery's best case, a
    second model's steps paid in full) and a draft of the target's first layers. On CUDA the target has random bf16
    weights in Qwen2.5-0.5B's shape (the one of `--random-qwen`): random weights cannot show a real draft's
    acceptance (its first layers' guesses are rarely the whole model's), only what drafting costs at either end.
 
-Sections 1 and 2 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
+Sections 1, 2 and 4 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
 (benchmarks/generate.py), where a step is bound by memory and speculation can pay. `--device cpu` is a smoke run
 (tiny sizes, the embedded model everywhere, CI: tests/test_spec_benchmark.py); the numbers mean something on the
 GPU only.
@@ -240,6 +243,31 @@ def run_all(llm: LLM, groups: list[list], params: SamplingParams) -> tuple[list[
     return outputs, seconds
 
 
+def many_streams(model: str | None, device: str, streams: int, new_tokens: int, thresholds: list[int | None]) -> dict:
+    """What speculation on costs where it cannot pay: `streams` greedy requests of random prompts (few n-gram
+    matches) at once, tokens/s with the n-gram proposer at its defaults and at each
+    `speculative_disable_by_batch_size` of `thresholds`, against speculation off (async scheduling as the engine
+    defaults it)."""
+    prompts = [[random.randrange(10, 4000) for _ in range(64)] for _ in range(streams)]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    row = {"streams": streams, "new_tokens": new_tokens}
+    for name, spec in [("off", {})] + [(f"ngram_disable_at_{t}", {"speculative_method": "ngram",
+                                                                   "speculative_disable_by_batch_size": t})
+                                       for t in thresholds]:
+        llm = LLM(model, device=device, enable_prefix_caching=False, **spec)
+        generate(llm, prompts[:1], params)
+        _, seconds = generate(llm, prompts, params)
+        row[name] = {"tokens_per_s": streams * new_tokens / seconds}
+        if spec:
+            row[name]["vs_off"] = row[name]["tokens_per_s"] / row["off"]["tokens_per_s"]
+            row[name]["drafts"] = llm.engine.speculator.stats.drafts
+        llm.engine.close()
+        del llm
+        free_memory()
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def fewer_layers(src: Path, dst: Path, layers: int) -> Path:
     """A checkpoint of src's first `layers` layers, with its embeddings, final norm and head: a draft of the same
     vocabulary and shape, cheaper per token."""
@@ -309,7 +337,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--random-qwen", action="store_true", help="sections 1-2 on Qwen2.5-0.5B-shaped weights")
-    parser.add_argument("--sections", default="verify_cost,forced_acceptance,copy_heavy_vs_free,draft_model",
+    parser.add_argument("--sections",
+                        default="verify_cost,forced_acceptance,copy_heavy_vs_free,many_streams,draft_model",
                         help="comma list of the sections to run (each starts engines of its own)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -331,6 +360,8 @@ def main():
                                                        [0.0, 1.0] if smoke else [0.0, 0.5, 0.8, 1.0],
                                                        12 if smoke else 256, 4),
         "copy_heavy_vs_free": lambda: copy_heavy_vs_free(args.device, 2 if smoke else 32, 12 if smoke else 128, 4),
+        "many_streams": lambda: many_streams(model, args.device, 4 if smoke else 128, 8 if smoke else 128,
+                                             [None, 2] if smoke else [None, 64, 32, 16]),
         "draft_model": lambda: draft_model(DEFAULT_MODEL_DIR if smoke else tmp, not smoke, args.device,
                                            12 if smoke else 256, 4, 2 if smoke else 4),
     }

@@ -30,6 +30,9 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     assert all(r["identical_to_plain"] for r in rows) and all(r["acceptance"] > 0 for r in rows[:2])
     assert all(r["ngram_no_backoff_tokens_per_s"] > 0 and r["backoffs"] >= 0 for r in rows)
     assert (tmp_path / "spec.png").stat().st_size > 10_000
+    many = result["many_streams"]
+    assert many["streams"] == 4 and many["off"]["tokens_per_s"] > 0
+    assert many["ngram_disable_at_2"]["drafts"] == 0 and many["ngram_disable_at_None"]["vs_off"] > 0
     draft = result["draft_model"]
     assert draft["plain"]["tokens_per_s"] > 0 and draft["draft_layers"] == 2 and draft["target_layers"] == 6
     same, fewer = draft["same_checkpoint"], draft["fewer_layers"]
