@@ -8,10 +8,13 @@ launches of their own rides in the same program:
 - the bias;
 - SILU_MUL: W holds gate rows [0, N) then up rows [N, 2N) (the fused gate-up weight); a program computes both
   slices of its columns and writes silu(gate) * up;
-- LoRA: for each tile of kernels/lora.py (one adapter slot and its rows), the shrink t = x A^T over all of K
-  (recomputed by every program: A has `rank` rows and stays in L2, far cheaper than a launch) and the expand
-  t B^T of the program's columns. Up to three projections of one input share the weight (q, k and v as one fused
-  weight): the columns of projection p are [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
+- LoRA: for each tile of kernels/lora.py (one adapter slot and its rows; at most MAX_ROWS rows, so a slot's rows
+  are one tile, and a step has at most as many tiles as rows), the shrink t = x A^T rides in the weight's loop,
+  each K tile of x times that tile of A (recomputed by every program: A has `rank` rows and stays in L2, far
+  cheaper than a launch, and the loop's weight loads hide it), then the expand t B^T of the program's columns.
+  Which rows use which slot (the tiles, written before the step) is read before the wait on the kernel before. Up
+  to three projections of one input share the weight (q, k and v as one fused weight): the columns of projection
+  p are [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
 
 Math in float32; the base projection and each LoRA intermediate rounded to the output dtype as the unfused layers
 round them. The reference is decode_linear_ref.
@@ -24,35 +27,48 @@ from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch, prefetc
 from kernels.lora import BLOCK_M as TILE_ROWS
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
-LORA_BLOCK_K = 512  # the shrink's K tile (_lora_shrink)
 
 
 @triton.jit
-def _lora_shrink(X, stride_x, m, mine, weights, a_at, a2_at, k_lo, k_hi, K, RANK: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TWO: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """t = x A^T [BLOCK_M, RANK] over K range [k_lo, k_hi) and the rows in `mine` (others 0), A [RANK, K] at
-    weights + a_at; TWO: also t2 = x A2^T, A2 at a2_at (gate's and up's shrinks in one pass over x). It runs after
-    the weight's loop, a chain of loads each program waits on: BLOCK_K is large so that the chain is short."""
+def _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS: tl.constexpr):
+    """Tile j's slot (-1: unused) and which of the rows m are its own (an unused tile's rows are all -1)."""
+    slot = tl.sum(tl.where(tile_ids == j, slots, 0), 0)
+    rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
+    return slot, tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """t plus x's rows in `mine` ([BLOCK_M, BLOCK_K], columns k) times those columns of A [RANK, K] at weights + a_at,
+    transposed: one K tile of the shrink x A^T."""
     r = tl.arange(0, RANK)
-    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    t2 = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=mine[:, None] & (k[None, :] < k_hi), other=0.0)
-        a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=k[:, None] < k_hi, other=0.0)
-        t += tl.dot(x, a, input_precision=DOT_PRECISION)
-        if TWO:
-            a = tl.load(weights + a2_at + r[None, :] * K + k[:, None], mask=k[:, None] < k_hi, other=0.0)
-            t2 += tl.dot(x, a, input_precision=DOT_PRECISION)
-    return t, t2
+    a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
+    return t + tl.dot(tl.where(mine[:, None], x, 0.0), a, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _lora_expand(t, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """t [BLOCK_M, RANK] (rounded) times this program's columns of B [N_p, RANK] at weights + b_at."""
+def _lora_expand(t, mine, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """t's rows in `mine` ([BLOCK_M, RANK], scaled and rounded) times this program's columns of B [N_p, RANK] at
+    weights + b_at."""
     r = tl.arange(0, RANK)
     b = tl.load(weights + b_at + n_local[None, :] * RANK + r[:, None], mask=n_ok[None, :], other=0.0)
-    return tl.dot(t, b, input_precision=DOT_PRECISION)
+    return tl.dot(tl.where(mine[:, None], t, 0.0), b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K,
+                  NUM_TILES: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr, SILU_MUL: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """One K tile of every tile's shrinks (gate's and up's with SILU_MUL): the rows of different tiles are disjoint,
+    so each shrink adds into one t."""
+    for j in range(NUM_TILES):
+        slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
+        weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
+        a_ok = k[:, None] < tl.where(slot >= 0, k_hi, 0)  # no A to read for an unused tile
+        t = _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK, DOT_PRECISION)
+        if SILU_MUL:
+            t_up = _lora_shrink(t_up, x, weights, A1, k, a_ok, K, mine, RANK, DOT_PRECISION)
+    return t, t_up
 
 
 @triton.jit
@@ -79,7 +95,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
                           TILES_PADDED: tl.constexpr,
                           TILE_ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LORA_BLOCK_K: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_LANES: tl.constexpr,
                           PDL: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N
@@ -101,6 +117,23 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
     if SILU_MUL:
         w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+    # LoRA: the projection of this program's columns (a program never straddles two: the launcher's BLOCK_N divides
+    # N0 and N1; SILU_MUL: gate is projection 0 and up projection 1, over the same columns), each row's slot and
+    # scale; the tiles and the slots are written before the step, so they are read before the wait.
+    a_at, b_at, n_local = A0, B0, n
+    if not SILU_MUL:
+        if n_start >= N0 + N1:
+            a_at, b_at, n_local = A2, B2, n - N0 - N1
+        elif n_start >= N0:
+            a_at, b_at, n_local = A1, B1, n - N0
+    tile_ids = tl.arange(0, TILES_PADDED)
+    slots = tl.load(TILES + tile_ids * (1 + TILE_ROWS), mask=tile_ids < NUM_TILES, other=-1)
+    row_slot = tl.full((BLOCK_M,), -1, tl.int32)
+    for j in tl.static_range(NUM_TILES):
+        slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
+        row_slot = tl.where(mine, slot, row_slot)
+    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)  # the shrinks x A^T: gate's (or the projection's) and up's
+    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -109,6 +142,8 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+    t, t_up = _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K, NUM_TILES,
+                            TILE_ROWS, RANK, SILU_MUL, DOT_PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k[None, :] < k_hi
@@ -118,6 +153,8 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
+        t, t_up = _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K,
+                                NUM_TILES, TILE_ROWS, RANK, SILU_MUL, DOT_PRECISION)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -127,31 +164,17 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         acc_up = acc_up.to(dtype).to(tl.float32)
 
     if NUM_TILES > 0:
-        # The projection of this program's columns (a program never straddles two: the launcher's BLOCK_N divides
-        # N0 and N1); SILU_MUL: gate is projection 0 and up projection 1, over the same columns.
-        a_at, b_at, n_local = A0, B0, n
-        if not SILU_MUL:
-            if n_start >= N0 + N1:
-                a_at, b_at, n_local = A2, B2, n - N0 - N1
-            elif n_start >= N0:
-                a_at, b_at, n_local = A1, B1, n - N0
-        # Every tile's slot in one load, not one dependent load per tile; the loop stops after the last used tile
-        # (lora_tiles puts them first).
-        tile_ids = tl.arange(0, TILES_PADDED)
-        slots = tl.load(TILES + tile_ids * (1 + TILE_ROWS), mask=tile_ids < NUM_TILES, other=-1)
-        for j in range(tl.max(tl.where(slots >= 0, tile_ids + 1, 0), 0)):
-            slot = tl.sum(tl.where(tile_ids == j, slots, 0), 0)
-            if slot >= 0:
-                rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
-                mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
-                weights = LW + slot.to(tl.int64) * stride_lw
-                scale = tl.load(SCALES + slot)
-                t, t_up = _lora_shrink(X, stride_x, m, mine, weights, a_at, A1, k_lo, k_hi, K, RANK, BLOCK_M,
-                                       LORA_BLOCK_K, SILU_MUL, DOT_PRECISION)
-                acc += _lora_expand((t * scale).to(dtype), weights, b_at, n_local, n_ok, RANK, DOT_PRECISION)
-                if SILU_MUL:
-                    acc_up += _lora_expand((t_up * scale).to(dtype), weights, B1, n_local, n_ok, RANK,
-                                           DOT_PRECISION)
+        # Each row's intermediate scaled by its slot's alpha / rank and rounded, as the unfused layers round it.
+        row_scale = tl.load(SCALES + row_slot, mask=row_slot >= 0, other=0.0)
+        t = (t * row_scale[:, None]).to(dtype)
+        t_up = (t_up * row_scale[:, None]).to(dtype)
+        for j in tl.static_range(NUM_TILES):
+            slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
+            weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
+            b_ok = n < tl.where(slot >= 0, N, 0)
+            acc += _lora_expand(t, mine, weights, b_at, n_local, b_ok, RANK, DOT_PRECISION)
+            if SILU_MUL:
+                acc_up += _lora_expand(t_up, mine, weights, B1, n_local, b_ok, RANK, DOT_PRECISION)
         if SILU_MUL:  # the projections' outputs are rounded before the gate, as in the unfused layer
             acc = acc.to(dtype).to(tl.float32)
             acc_up = acc_up.to(dtype).to(tl.float32)
@@ -210,7 +233,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if sum(p[0] for p in parts) != n * (2 if silu_mul else 1) or straddles:
             raise ValueError(f"LoRA projections {[p[0] for p in parts]} must tile the {n} columns by {block_n}")
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
-    num_tiles = 0 if lora is None else tiles.shape[0]
+    # Used tiles come first and a slot's rows (<= MAX_ROWS) are one tile: no more tiles than rows are read.
+    num_tiles = 0 if lora is None else min(tiles.shape[0], rows)
     # Bulk prefetches need 16-byte aligned ranges (a K split is whole BLOCK_K tiles) and rows to give each thread.
     lanes = 32 * warps
     prefetch = (prefetch_on(x.device) and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
@@ -221,8 +245,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             lw, lw.stride(0), scales, tiles, parts[0][0], parts[1][0], *(p[1] for p in parts), *(p[2] for p in parts),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
-            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-            LORA_BLOCK_K=max(block_k, min(LORA_BLOCK_K, triton.next_power_of_2(k_split))), SPLIT_K=splits,
+            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH_LANES=lanes if prefetch else 0,
             num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))

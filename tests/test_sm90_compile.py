@@ -32,7 +32,7 @@ def decode_linear_ptx(silu_mul: bool, block_n: int, split_k: int, lanes: int) ->
     pointers = {"X": "*bf16", "W": "*bf16", "BIAS": "*bf16", "Y": "*fp32" if split_k > 1 else "*bf16",
                 "LW": "*bf16", "SCALES": "*fp32", "TILES": "*i32"}
     constexprs = dict(HAS_BIAS=False, SILU_MUL=silu_mul, NUM_TILES=0, TILES_PADDED=2, TILE_ROWS=16, RANK=16,
-                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, LORA_BLOCK_K=512, SPLIT_K=split_k,
+                      BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=256, SPLIT_K=split_k,
                       DOT_PRECISION="tf32", PREFETCH_LANES=lanes, PDL=True)
     kernel = compile_for_sm90(_decode_linear_kernel, pointers, constexprs, num_warps=4)
     assert kernel.asm["cubin"]
