@@ -12,7 +12,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # the stream finishes, and waits (gdc_wait) before it reads or writes anything that kernel touches; weights, which
 # no kernel of a step writes, may be read before the wait. A decode step of a small model is a chain of kernels of a
 # few microseconds each, so each launch's latency hides behind its predecessor's tail (CUDA graphs keep the
-# dependency). The decode path's kernels use it (decode_linear, elementwise, decode); PDL = False turns it off.
+# dependency). The decode path's kernels use it (decode_linear, elementwise, decode, lora); PDL = False turns it off.
 # ---------------------------------------------------------------------------------------------------------
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401 (the kernels' imports)

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
+
 BLOCK_M = 16  # rows per tile: tl.dot's smallest
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 
@@ -63,7 +65,10 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 @triton.jit
 def _lora_kernel(X, W, SCALES, TILES, Y0, Y1, Y2, stride_x, stride_w, stride_y0, stride_y1, stride_y2, K,
                  N0, N1, N2, A0, A1, A2, B0, B1, B2, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_CHUNK: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # kernels/configs.py: launched while the projection before it finishes, as the decode path's kernels
+        gdc_wait()
+        gdc_launch_dependents()
     # Which output this program writes: the column chunks of Y0, then Y1's, then Y2's.
     chunk = tl.program_id(1)
     y, n_out, a_at, b_at, stride_y = Y0, N0, A0, B0, stride_y0
@@ -119,7 +124,8 @@ def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], wei
         x, weights, scales, tiles, *(y for y, _, _ in padded), x.stride(0), weights.stride(0),
         *(y.stride(0) for y, _, _ in padded), k, *(y.shape[1] for y, _, _ in padded),
         *(a for _, a, _ in padded), *(b for _, _, b in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64,
-        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), N_CHUNK=n_chunk, num_warps=4, num_stages=stages)
+        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), N_CHUNK=n_chunk, num_warps=4, num_stages=stages,
+        **pdl_launch(x.device))
 
 
 def _config(num_tiles: int, n: int, k: int) -> tuple[int, int, int]:

@@ -54,6 +54,17 @@ def decode_split_ptx(rope: bool, merge: bool) -> str:
     return kernel.asm["ptx"]
 
 
+def lora_ptx() -> str:
+    from kernels.lora import _lora_kernel
+
+    pointers = {"X": "*bf16", "W": "*bf16", "SCALES": "*fp32", "TILES": "*i32", "Y0": "*bf16", "Y1": "*bf16",
+                "Y2": "*bf16"}
+    constexprs = dict(RANK=16, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, N_CHUNK=128, PDL=True)
+    kernel = compile_for_sm90(_lora_kernel, pointers, constexprs, num_warps=4)
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
 def compiled(case: str, *args) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, case, json.dumps(args)], env=env, capture_output=True, text=True,
@@ -79,7 +90,12 @@ def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     assert "atom." not in compiled("decode_split", rope, False)
 
 
+def test_lora_kernel_waits_on_the_projection_before_it():
+    ptx = compiled("lora")
+    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")  # no read before the projection is done
+
+
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    cases = {"decode_linear": decode_linear_ptx, "decode_split": decode_split_ptx}
+    cases = {"decode_linear": decode_linear_ptx, "decode_split": decode_split_ptx, "lora": lora_ptx}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))
