@@ -135,6 +135,20 @@ def test_adapters_from_slots_give_what_the_eager_hooks_give(model_dir, count, ma
     assert slots.loads >= len(used) and (slots.evictions > 0) == (len(used) > max_loras)  # adapters took turns
 
 
+def test_speculative_verifies_with_adapters_from_slots(model_dir):
+    """n-gram drafts for requests on adapters in slots: a verify's rows run as decode rows (the runner's doc), each
+    with its sequence's slot; the tokens are those of plain decoding through the eager hooks."""
+    spec = make_llm(model_dir, speculative_method="ngram", num_speculative_tokens=3, speculative_min_acceptance=0.0)
+    eager = make_llm(model_dir, max_loras=0)
+    for name, adapter in adapters_for(spec.engine.model, 2).items():
+        for llm in (spec, eager):
+            add_adapter(llm.engine.model, name, adapter.to("cpu", torch.float32))
+    requests = [(f"r{i}", [5 + i, 6, 7, 8, 9] * 6, None if i == 2 else f"tuned-{i % 2}") for i in range(5)]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    assert serve(spec, requests, params) == serve(eager, requests, params)
+    assert spec.engine.speculator.stats.drafts
+
+
 def test_a_dense_adapter_is_served_eagerly_beside_slotted_ones(model_dir):
     llm, eager = make_llm(model_dir), make_llm(model_dir, max_loras=0)
     lora = adapters_for(llm.engine.model, 1)["tuned-0"]
