@@ -4,6 +4,7 @@ ranks; rejected drafts leave no trace in the KV bookkeeping or the prefix cache;
 target's distribution (a test that fails if the rejection step is skipped); what falls back to plain decoding; the
 acceptance back-off (a sequence whose drafts keep failing stops proposing, and tries again later)."""
 import gzip
+import random
 from collections import defaultdict
 
 import pytest
@@ -14,7 +15,7 @@ from tiny_models import make_tiny_model
 from kvcache import BlockManager
 from service.config import DEFAULT_MODEL_DIR
 from service.engine.llm import LLM
-from service.engine.speculative import NgramProposer, accept_greedy, accept_sampled
+from service.engine.speculative import NgramIndex, NgramProposer, accept_greedy, accept_sampled
 from service.metrics import EngineMetrics
 from service.protocol import SamplingParams
 
@@ -39,6 +40,8 @@ def make_llm(**settings) -> LLM:
 def assert_no_leaks(llm):
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.has_work and not llm.engine.requests
+    speculator = llm.engine.speculator
+    assert speculator is None or not getattr(speculator.proposer, "indexes", None)  # n-gram indexes released
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +183,27 @@ def test_ngram_lookup_prefers_long_recent_matches():
     assert proposer.lookup([1, 2, 3, 4], 3) == [] and proposer.lookup([5, 5], 0) == []
     assert NgramProposer(2, 3).lookup([4, 2, 3, 8, 6, 5, 7, 3], 4) == []
     assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9] and accept_greedy([5], [5, 8]) == [5, 8]
+
+
+def test_ngram_index_finds_what_a_scan_finds_as_a_sequence_grows():
+    """The incremental index (a prompt at once, then a few tokens a step) against a scan of all earlier windows."""
+    def scan(tokens, k, min_n, max_n):
+        for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+            ends = [e for e in range(n - 1, len(tokens) - 1) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+            if ends:
+                return tokens[ends[-1] + 1:ends[-1] + 1 + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(300):
+        vocab, (min_n, max_n) = rng.choice([2, 3, 20, 500]), rng.choice([(1, 3), (2, 4), (3, 3)])
+        tokens, index = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))], NgramIndex(min_n, max_n)
+        for _ in range(5):
+            index.update(tokens)
+            for k in (0, 1, 4):
+                want = scan(tokens, k, min_n, max_n) if k and len(tokens) > min_n else []
+                assert index.lookup(tokens, k) == want, (tokens, k, min_n, max_n)
+            tokens += [rng.randrange(vocab) for _ in range(rng.choice([0, 1, 4, 30]))]
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -74,26 +74,71 @@ class Proposer(Protocol):
 
 class NgramProposer:
     """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens (n from `max_n` down to
-    `min_n`, the longest match first) in its prompt and output, and proposes the tokens that followed it."""
+    `min_n`, the longest match first) in its prompt and output, and proposes the tokens that followed it. Each
+    sequence keeps an NgramIndex of its tokens, grown by the tokens each step adds: a lookup costs a few
+    dictionary reads, not a scan of the context (which took 0.1-0.8 ms a sequence at 500-8,000 tokens)."""
 
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
+        self.indexes: dict[Sequence, NgramIndex] = {}
 
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        return [self.lookup(seq.token_ids, k) for seq, k in zip(seqs, limits)]
+        drafts = []
+        for seq, k in zip(seqs, limits):
+            index = self.indexes.get(seq)
+            if index is None:
+                index = self.indexes[seq] = NgramIndex(self.min_n, self.max_n)
+            index.update(seq.token_ids)
+            drafts.append(index.lookup(seq.token_ids, k))
+        return drafts
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """The draft for a token list seen once (no index kept)."""
+        index = NgramIndex(self.min_n, self.max_n)
+        index.update(tokens)
+        return index.lookup(tokens, k)
+
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq, None)
+
+    def reset(self) -> None:
+        self.indexes.clear()
+
+
+class NgramIndex:
+    """Where each n-gram of a token list (n from min_n to max_n) last ended, over its tokens but the last (a match
+    must be followed by a token to propose). update() indexes the tokens added since the last call: a sequence's
+    tokens only grow."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+    def update(self, tokens: list[int]) -> None:
+        stop = len(tokens) - 1
+        if stop - self.indexed > 16:  # a prompt: zipped slices build the tuples in C
+            for n, ends in self.ends.items():
+                first = max(self.indexed, n - 1)  # the first n-gram's last position; later ends overwrite earlier
+                grams = zip(*(tokens[first - n + 1 + i:stop - n + 1 + i] for i in range(n)))
+                ends.update(zip(grams, range(first, stop)))
+        else:  # a step's few new tokens
+            for end in range(self.indexed, stop):
+                for n, ends in self.ends.items():
+                    if end >= n - 1:
+                        ends[tuple(tokens[end - n + 1:end + 1])] = end
+        self.indexed = max(self.indexed, stop)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens after the latest earlier occurrence of the longest suffix of tokens (indexed up to its
+        last) that occurred before."""
         length = len(tokens)
         if k < 1 or length <= self.min_n:
             return []
-        ids = np.asarray(tokens, dtype=np.int64)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            # Windows that start before the suffix itself; a match at i proposes tokens i + n onwards.
-            windows = np.lib.stride_tricks.sliding_window_view(ids[:length - 1], n)
-            hits = np.flatnonzero((windows == ids[length - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
-                return tokens[start:start + k]
+            end = self.ends[n].get(tuple(tokens[length - n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
         return []
 
 
