@@ -20,10 +20,13 @@
    weights in Qwen2.5-0.5B's shape (the one of `--random-qwen`): random weights cannot show a real draft's
    acceptance (its first layers' guesses are rarely the whole model's), only what drafting costs at either end.
 
+6. ngram_host_cost: the host's time per step for one sequence's n-gram proposal at 500 to 8,000 tokens of
+   context: the proposer's index against a scan of the context (the method before it).
+
 Sections 1, 2 and 4 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
 (benchmarks/generate.py), where a step is bound by memory and speculation can pay. `--device cpu` is a smoke run
 (tiny sizes, the embedded model everywhere, CI: tests/test_spec_benchmark.py); the numbers mean something on the
-GPU only.
+GPU only, but for section 6's, which time the host.
 
 python benchmarks/spec.py [--device cuda|cpu] [--random-qwen] [--sections verify_cost,...] [--out DIR]
 """
@@ -268,6 +271,42 @@ def many_streams(model: str | None, device: str, streams: int, new_tokens: int, 
     return row
 
 
+def ngram_host_cost(contexts: list[int], steps: int) -> list:
+    """The host's time for one sequence's n-gram proposal per step (3 new tokens a step, random tokens: few
+    matches, the longest search): the proposer's index (NgramIndex, built once, then grown) against a numpy scan of
+    the whole context each step (how proposals were found before the index), microseconds."""
+    import numpy as np
+
+    from service.engine.speculative import NgramIndex
+
+    def scan(ids: list[int], k: int, min_n: int = 2, max_n: int = 4) -> list[int]:
+        tokens = np.asarray(ids, dtype=np.int64)
+        for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if len(hits):
+                return ids[hits[-1] + n:hits[-1] + n + k]
+        return []
+
+    rows = []
+    for context in contexts:
+        tokens = [random.randrange(10, 32000) for _ in range(context)]
+        index = NgramIndex(2, 4)
+        start = time.perf_counter()
+        index.update(tokens)
+        row = {"context": context, "index_build_us": 1e6 * (time.perf_counter() - start)}
+        for name, propose in (("index", lambda: (index.update(tokens), index.lookup(tokens, 4))),
+                              ("scan", lambda: scan(tokens, 4))):
+            start = time.perf_counter()
+            for _ in range(steps):
+                tokens += [random.randrange(10, 32000) for _ in range(3)]
+                propose()
+            row[f"{name}_us_per_step"] = 1e6 * (time.perf_counter() - start) / steps
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def fewer_layers(src: Path, dst: Path, layers: int) -> Path:
     """A checkpoint of src's first `layers` layers, with its embeddings, final norm and head: a draft of the same
     vocabulary and shape, cheaper per token."""
@@ -338,7 +377,8 @@ def main():
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--random-qwen", action="store_true", help="sections 1-2 on Qwen2.5-0.5B-shaped weights")
     parser.add_argument("--sections",
-                        default="verify_cost,forced_acceptance,copy_heavy_vs_free,many_streams,draft_model",
+                        default="verify_cost,forced_acceptance,copy_heavy_vs_free,many_streams,draft_model,"
+                                "ngram_host_cost",
                         help="comma list of the sections to run (each starts engines of its own)")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
@@ -362,6 +402,7 @@ def main():
         "copy_heavy_vs_free": lambda: copy_heavy_vs_free(args.device, 2 if smoke else 32, 12 if smoke else 128, 4),
         "many_streams": lambda: many_streams(model, args.device, 4 if smoke else 128, 8 if smoke else 128,
                                              [None, 2] if smoke else [None, 64, 32, 16]),
+        "ngram_host_cost": lambda: ngram_host_cost([500, 2000] if smoke else [500, 2000, 8000], 20 if smoke else 200),
         "draft_model": lambda: draft_model(DEFAULT_MODEL_DIR if smoke else tmp, not smoke, args.device,
                                            12 if smoke else 256, 4, 2 if smoke else 4),
     }

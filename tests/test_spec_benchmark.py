@@ -33,6 +33,8 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     many = result["many_streams"]
     assert many["streams"] == 4 and many["off"]["tokens_per_s"] > 0
     assert many["ngram_disable_at_2"]["drafts"] == 0 and many["ngram_disable_at_None"]["vs_off"] > 0
+    assert [r["context"] for r in result["ngram_host_cost"]] == [500, 2000]
+    assert all(r["index_us_per_step"] > 0 and r["scan_us_per_step"] > 0 for r in result["ngram_host_cost"])
     draft = result["draft_model"]
     assert draft["plain"]["tokens_per_s"] > 0 and draft["draft_layers"] == 2 and draft["target_layers"] == 6
     same, fewer = draft["same_checkpoint"], draft["fewer_layers"]
