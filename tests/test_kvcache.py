@@ -137,3 +137,27 @@ def test_store_kv_matches_reference(head_dim, dtype, device):
     assert torch.equal(written, k[slots >= 0])
     with pytest.raises(ValueError):
         store_kv(k, v[:, :1], caches[0], caches[1], slots)
+
+
+def test_an_adapters_salted_tokens_read_as_the_salted_list():
+    """Sequence.cache_keys of an adapter's sequence is a view (no copy a step): every length, index and slice the
+    block manager could take reads as the list with its first token salted; and it hashes blocks as that list does."""
+    import itertools
+
+    from service.engine.sequence import SaltedTokens
+
+    for n in (1, 2, 7, 40):
+        tokens = list(range(1, n + 1))
+        salted, view = [("adapter", 1)] + tokens[1:], SaltedTokens("adapter", tokens)
+        assert len(view) == len(salted) and bool(view)
+        for a, b, c in itertools.product([None, 0, 1, 3, -1, -3, 100], [None, 0, 2, 5, -1, -2, 100],
+                                         [None, 1, 2, -1, -2]):
+            assert view[a:b:c] == salted[a:b:c], (n, a, b, c)
+        assert [view[i] for i in range(-n, n)] == [salted[i] for i in range(-n, n)]
+    tokens = list(range(3, 40))
+    by_list, by_view = BlockManager(16, 4), BlockManager(16, 4)
+    by_list.allocate("s", [("a", 3)] + tokens[1:])
+    by_view.allocate("s", SaltedTokens("a", tokens))
+    by_list.publish("s", [("a", 3)] + tokens[1:])
+    by_view.publish("s", SaltedTokens("a", tokens))
+    assert by_list.hashes["s"] == by_view.hashes["s"] and by_list.hashes["s"]

@@ -57,13 +57,35 @@ class Sequence:
         self.argmax_only = self.params.argmax_only
 
     @property
-    def cache_keys(self) -> list:
+    def cache_keys(self):
         """What the prefix cache hashes: the tokens, salted with the adapter (its KV differs from the base
         model's) through the first token, which every chained block hash includes."""
         if self.adapter is None:
             return self.token_ids
-        return [(self.adapter, self.token_ids[0])] + self.token_ids[1:]
+        return SaltedTokens(self.adapter, self.token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+
+class SaltedTokens:
+    """tokens with the first one read as (salt, token): a view, so that the scheduler's every step does not copy an
+    adapter's sequence (the block manager takes its length and slices of it)."""
+    __slots__ = ("salt", "tokens")
+
+    def __init__(self, salt: str, tokens: list[int]):
+        self.salt, self.tokens = salt, tokens
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            positions, items = range(*index.indices(len(self.tokens))), self.tokens[index]
+            if 0 in positions:
+                items[positions.index(0)] = (self.salt, self.tokens[0])
+            return items
+        if index in (0, -len(self.tokens)):
+            return self.salt, self.tokens[0]
+        return self.tokens[index]
