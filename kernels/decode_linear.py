@@ -30,11 +30,10 @@ MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
 
 
 @triton.jit
-def _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS: tl.constexpr):
-    """Tile j's slot (-1: unused) and which of the rows m are its own (an unused tile's rows are all -1)."""
+def _tile(j, slots, tile_ids, row_slot):
+    """Tile j's slot (-1: unused) and which rows are its own (a slot's rows are one tile: those of that slot)."""
     slot = tl.sum(tl.where(tile_ids == j, slots, 0), 0)
-    rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
-    return slot, tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
+    return slot, row_slot == tl.where(slot >= 0, slot, -2)
 
 
 @triton.jit
@@ -56,13 +55,12 @@ def _lora_expand(t, mine, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_
 
 
 @triton.jit
-def _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K,
-                  NUM_TILES: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr, SILU_MUL: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K,
+                  NUM_TILES: tl.constexpr, RANK: tl.constexpr, SILU_MUL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K tile of every tile's shrinks (gate's and up's with SILU_MUL): the rows of different tiles are disjoint,
     so each shrink adds into one t."""
     for j in range(NUM_TILES):
-        slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
+        slot, mine = _tile(j, slots, tile_ids, row_slot)
         weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
         a_ok = k[:, None] < tl.where(slot >= 0, k_hi, 0)  # no A to read for an unused tile
         t = _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK, DOT_PRECISION)
@@ -129,9 +127,10 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     tile_ids = tl.arange(0, TILES_PADDED)
     slots = tl.load(TILES + tile_ids * (1 + TILE_ROWS), mask=tile_ids < NUM_TILES, other=-1)
     row_slot = tl.full((BLOCK_M,), -1, tl.int32)
-    for j in tl.static_range(NUM_TILES):
-        slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
-        row_slot = tl.where(mine, slot, row_slot)
+    for j in tl.static_range(NUM_TILES):  # each row's slot, from the tiles' row lists (-1 pads them)
+        rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
+        mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
+        row_slot = tl.where(mine, tl.sum(tl.where(tile_ids == j, slots, 0), 0), row_slot)
     t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)  # the shrinks x A^T: gate's (or the projection's) and up's
     t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     if PDL:
@@ -142,8 +141,8 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-    t, t_up = _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K, NUM_TILES,
-                            TILE_ROWS, RANK, SILU_MUL, DOT_PRECISION)
+    t, t_up = _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K, NUM_TILES,
+                            RANK, SILU_MUL, DOT_PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k[None, :] < k_hi
@@ -153,8 +152,8 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-        t, t_up = _shrink_tiles(t, t_up, x, TILES, slots, tile_ids, m, LW, stride_lw, a_at, A1, k, k_hi, K,
-                                NUM_TILES, TILE_ROWS, RANK, SILU_MUL, DOT_PRECISION)
+        t, t_up = _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K,
+                                NUM_TILES, RANK, SILU_MUL, DOT_PRECISION)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -169,7 +168,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         t = (t * row_scale[:, None]).to(dtype)
         t_up = (t_up * row_scale[:, None]).to(dtype)
         for j in tl.static_range(NUM_TILES):
-            slot, mine = _tile_rows(TILES, j, slots, tile_ids, m, TILE_ROWS)
+            slot, mine = _tile(j, slots, tile_ids, row_slot)
             weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
             b_ok = n < tl.where(slot >= 0, N, 0)
             acc += _lora_expand(t, mine, weights, b_at, n_local, b_ok, RANK, DOT_PRECISION)
