@@ -20,9 +20,9 @@ Acceptance back-off (`speculative_min_acceptance`): every verify moves the seque
 of its accepted fraction (accepted / drafted tokens; weight EMA_WEIGHT, from 1.0) towards that verify's. Below the
 threshold the sequence proposes nothing for its next BACKOFF_MIN tokens (no lookup, no verify rows), then tries one
 draft again; each failed try doubles the pause, up to BACKOFF_MAX, and a verify that lifts the average back over the
-threshold resets it. A request that stops copying
-soon stops paying for drafts, one that starts copying again gets them back within BACKOFF_MAX tokens. It reads
-only the sequence's own drafts and tokens: greedy outputs stay those of plain decoding, seeded ones reproducible.
+threshold resets it. A request that stops copying soon stops paying for drafts, one that starts copying again gets
+them back within BACKOFF_MAX tokens. It reads only the sequence's own drafts and tokens: greedy outputs stay those of
+plain decoding, seeded ones reproducible.
 
 Rollback: the scheduler reserves KV slots for the drafts (BlockManager.append's lookahead) without making them
 part of the sequence; after verification `Scheduler.accept` counts the accepted tokens as computed and gives back
@@ -117,16 +117,10 @@ class NgramIndex:
 
     def update(self, tokens: list[int]) -> None:
         stop = len(tokens) - 1
-        if stop - self.indexed > 16:  # a prompt: zipped slices build the tuples in C
+        for end in range(self.indexed, stop):  # later ends overwrite earlier ones
             for n, ends in self.ends.items():
-                first = max(self.indexed, n - 1)  # the first n-gram's last position; later ends overwrite earlier
-                grams = zip(*(tokens[first - n + 1 + i:stop - n + 1 + i] for i in range(n)))
-                ends.update(zip(grams, range(first, stop)))
-        else:  # a step's few new tokens
-            for end in range(self.indexed, stop):
-                for n, ends in self.ends.items():
-                    if end >= n - 1:
-                        ends[tuple(tokens[end - n + 1:end + 1])] = end
+                if end >= n - 1:
+                    ends[tuple(tokens[end - n + 1:end + 1])] = end
         self.indexed = max(self.indexed, stop)
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
