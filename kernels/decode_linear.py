@@ -58,14 +58,16 @@ def _lora_expand(t, mine, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_
 def _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K,
                   NUM_TILES: tl.constexpr, RANK: tl.constexpr, SILU_MUL: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K tile of every tile's shrinks (gate's and up's with SILU_MUL): the rows of different tiles are disjoint,
-    so each shrink adds into one t."""
-    for j in range(NUM_TILES):
-        slot, mine = _tile(j, slots, tile_ids, row_slot)
-        weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
-        a_ok = k[:, None] < tl.where(slot >= 0, k_hi, 0)  # no A to read for an unused tile
-        t = _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK, DOT_PRECISION)
-        if SILU_MUL:
-            t_up = _lora_shrink(t_up, x, weights, A1, k, a_ok, K, mine, RANK, DOT_PRECISION)
+    so each shrink adds into one t. Without tiles, nothing is compiled: a projection without LoRA passes any tensor
+    as LW (a loop of no iterations would still be compiled, and a float32 LW would not type-check against x)."""
+    if NUM_TILES > 0:
+        for j in range(NUM_TILES):
+            slot, mine = _tile(j, slots, tile_ids, row_slot)
+            weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
+            a_ok = k[:, None] < tl.where(slot >= 0, k_hi, 0)  # no A to read for an unused tile
+            t = _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK, DOT_PRECISION)
+            if SILU_MUL:
+                t_up = _lora_shrink(t_up, x, weights, A1, k, a_ok, K, mine, RANK, DOT_PRECISION)
     return t, t_up
 
 

@@ -26,6 +26,54 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
                           options=dict(num_warps=num_warps, num_stages=3))
 
 
+def launched_ptx(module, kernel: str, launch) -> str:
+    """Compiles what `launch()` (a launcher of `module`, called on CPU tensors) would launch of module.kernel, with
+    the argument types and specializations the JIT gives them on the GPU (an argument of 1 is a constexpr, a
+    tensor its pointer type): a launcher that passes a placeholder of another dtype fails here, not on the GPU."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    fn, seen = getattr(module, kernel), {}
+
+    class Capture:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
+
+    setattr(module, kernel, Capture())
+    try:
+        launch()
+    finally:
+        setattr(module, kernel, fn)
+    options = {key: seen["kwargs"].pop(key) for key in ("num_warps", "num_stages") if key in seen["kwargs"]}
+    pointers, constexprs = {}, dict(seen["kwargs"])
+    for name, value in zip(fn.arg_names, seen["args"]):
+        kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
+        if kind == "constexpr":
+            constexprs[name] = spec
+        else:
+            pointers[name] = kind
+    kernel = compile_for_sm90(fn, pointers, constexprs, options.get("num_warps", 4))
+    assert kernel.asm["cubin"]
+    return kernel.asm["ptx"]
+
+
+def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int) -> str:
+    """kernels.decode_linear as a decode step calls it (bf16, the Qwen2.5-0.5B shape's widths), without LoRA or
+    with `tiles` tiles of rank 16."""
+    import torch
+
+    import kernels.decode_linear as module
+
+    n = 4864 if silu_mul else 896
+    x = torch.randn(rows, 896, dtype=torch.bfloat16)
+    weight = torch.randn(2 * n if silu_mul else n, 896, dtype=torch.bfloat16)
+    parts = [(n, 0, 16 * 896), (n, 16 * (896 + n), 16 * (2 * 896 + n))] if silu_mul else [(n, 0, 16 * 896)]
+    lora = (torch.zeros(8, 16 * 2 * (896 + n), dtype=torch.bfloat16), torch.zeros(8),
+            torch.full((8, 17), -1, dtype=torch.int32), 16, parts)
+    return launched_ptx(module, "_decode_linear_kernel", lambda: module.decode_linear(
+        x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None))
+
+
 def decode_linear_ptx(silu_mul: bool, block_n: int, split_k: int, lanes: int) -> str:
     from kernels.decode_linear import _decode_linear_kernel
 
@@ -81,6 +129,13 @@ def test_decode_linear_prefetch_compiles_one_prefetch_per_thread(silu_mul, block
     assert "prefetch" not in compiled("decode_linear", silu_mul, block_n, split_k, 0)
 
 
+@pytest.mark.parametrize("rows,silu_mul,partials,tiles", [(1, False, True, 0), (1, False, False, 0), (16, True, False, 0),
+                                                        (1, False, True, 1), (16, True, False, 8)])
+def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partials, tiles):
+    """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums."""
+    assert "mma" in compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     ptx = compiled("decode_split", rope, True)
@@ -97,5 +152,5 @@ def test_lora_kernel_waits_on_the_projection_before_it():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    cases = {"decode_linear": decode_linear_ptx, "decode_split": decode_split_ptx, "lora": lora_ptx}
+    cases = {"decode_linear": decode_linear_ptx, "decode_linear_launched": decode_linear_launched, "decode_split": decode_split_ptx, "lora": lora_ptx}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))
