@@ -55,6 +55,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora")
+    parser.add_argument("--paths", default=",".join(p for p, *_ in PATHS), help="the graphs section's paths")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
@@ -67,7 +68,7 @@ def main():
     if "lora" in sections:
         result["lora"] = sweep_lora()
     if "graphs" in sections:
-        result["graphs"] = {name: decode_graphs(config) for name, config in SHAPES.items()}
+        result["graphs"] = {name: decode_graphs(config, args.paths.split(",")) for name, config in SHAPES.items()}
         print_graphs(result["graphs"])
         args.out.mkdir(parents=True, exist_ok=True)
         plot_graphs(result["graphs"], args.out / "step_profile.png")
@@ -80,7 +81,9 @@ def main():
 def prefill_and_decode(n: int) -> dict:
     tmp = Path(tempfile.mkdtemp())
     write_checkpoint(tmp)
-    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
+    # Decode graphs only (no prefill or LoRA graphs, benchmarks/lora.py measures those): each path recaptures them.
+    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096, max_loras=0,
+              cuda_graph_max_prefill_tokens=0)
     runner, model = llm.engine.runner, llm.engine.model
     tables = [list(range(-(-n // runner.block_size)))]
 
@@ -177,23 +180,27 @@ PATHS = [("fused", True, {}), ("fused_prefetch", True, {"PREFETCH": True}),
          ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
 
-def decode_graphs(config: dict) -> dict:
-    """Kernels and graph GPU time of decode steps on each of PATHS, in one process."""
+def decode_graphs(config: dict, paths: list[str]) -> dict:
+    """Kernels and graph GPU time of decode steps on each of PATHS named in `paths`, in one process."""
     from kernels import configs
 
     tmp = Path(tempfile.mkdtemp())
     write_checkpoint(tmp, config)
-    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
+    # Decode graphs only (no prefill or LoRA graphs, benchmarks/lora.py measures those): each path recaptures them.
+    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096, max_loras=0,
+              cuda_graph_max_prefill_tokens=0)
     runner, model = llm.engine.runner, llm.engine.model
     weights = {p.data_ptr(): p.nbytes for p in model.parameters()}  # tied embeddings once
     out = {"layers": model.config.num_hidden_layers, "weight_gb": sum(weights.values()) / 1e9,
            "floor_ms": 1e3 * sum(weights.values()) / COPY_BYTES_PER_S, "context": CONTEXT, "paths": {}}
     defaults = {key: getattr(configs, key) for _, _, switches in PATHS for key in switches}
-    for name, fused, switches in PATHS:
+    for name, fused, switches in [p for p in PATHS if p[0] in paths]:
+        print(f"  {name}: capturing and timing ({time.strftime('%X')})", flush=True)
         for key, default in defaults.items():
             setattr(configs, key, switches.get(key, default) and (key != "PDL" or default))
         model.fuse_projections(fused)
-        runner._capture_graphs()
+        runner._pool = None
+        runner._capture_decode_graphs()
         cells = {}
         for batch in GRAPH_BATCHES:
             prime_decode_rows(runner, batch, CONTEXT)

@@ -129,8 +129,8 @@ def test_decode_linear_prefetch_compiles_one_prefetch_per_thread(silu_mul, block
     assert "prefetch" not in compiled("decode_linear", silu_mul, block_n, split_k, 0)
 
 
-@pytest.mark.parametrize("rows,silu_mul,partials,tiles", [(1, False, True, 0), (1, False, False, 0), (16, True, False, 0),
-                                                        (1, False, True, 1), (16, True, False, 8)])
+@pytest.mark.parametrize("rows,silu_mul,partials,tiles", [
+    (1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1), (16, True, False, 8)])
 def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partials, tiles):
     """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums."""
     assert "mma" in compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
@@ -152,5 +152,6 @@ def test_lora_kernel_waits_on_the_projection_before_it():
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    cases = {"decode_linear": decode_linear_ptx, "decode_linear_launched": decode_linear_launched, "decode_split": decode_split_ptx, "lora": lora_ptx}
+    cases = {"decode_linear": decode_linear_ptx, "decode_linear_launched": decode_linear_launched,
+             "decode_split": decode_split_ptx, "lora": lora_ptx}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))
