@@ -176,6 +176,8 @@ def count_kernels(fn) -> tuple[int, dict[str, float]]:
 ONE_ATTENTION_KERNEL = {"DECODE_ROPE_IN_ATTENTION": True, "DECODE_MERGE_IN_SPLIT": True}
 PATHS = [("fused", True, {}), ("fused_prefetch", True, {"PREFETCH": True}),
          ("fused_one_attention_kernel", True, ONE_ATTENTION_KERNEL),
+         ("fused_rope_in_attention", True, {"DECODE_ROPE_IN_ATTENTION": True}),
+         ("fused_merge_in_split", True, {"DECODE_MERGE_IN_SPLIT": True}),
          ("fused_both", True, {"PREFETCH": True, **ONE_ATTENTION_KERNEL}),
          ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
