@@ -170,15 +170,14 @@ def count_kernels(fn) -> tuple[int, dict[str, float]]:
     return len(kernels), times
 
 
-# (name, fused projections, kernels.configs switches): the path as it is, with each experiment of kernels/configs.py
-# (the projections' L2 prefetch; one attention kernel per layer: RoPE, the cache write and the splits' merge in the
-# split kernel) and with both, without PDL, and the module path
+# (name, fused projections, kernels.configs switches): the path as it is, with kernels/configs.py's one-attention-kernel
+# switches (RoPE and the cache write, and the splits' merge, in the split kernel) together and each alone, without
+# PDL, and the module path
 ONE_ATTENTION_KERNEL = {"DECODE_ROPE_IN_ATTENTION": True, "DECODE_MERGE_IN_SPLIT": True}
-PATHS = [("fused", True, {}), ("fused_prefetch", True, {"PREFETCH": True}),
+PATHS = [("fused", True, {}),
          ("fused_one_attention_kernel", True, ONE_ATTENTION_KERNEL),
          ("fused_rope_in_attention", True, {"DECODE_ROPE_IN_ATTENTION": True}),
          ("fused_merge_in_split", True, {"DECODE_MERGE_IN_SPLIT": True}),
-         ("fused_both", True, {"PREFETCH": True, **ONE_ATTENTION_KERNEL}),
          ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
 

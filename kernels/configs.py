@@ -3,7 +3,6 @@ import functools
 import os
 
 import triton
-import triton.language as tl
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -26,27 +25,6 @@ def pdl_launch(device) -> dict:
     """The launch options of a kernel that supports PDL (its PDL constexpr set to match) on `device`."""
     on = PDL and device.type == "cuda" and _capability(device.index)[0] >= 9
     return {"launch_pdl": True, "PDL": True} if on else {"PDL": False}
-
-
-# L2 prefetch of a decode projection's weight (kernels/decode_linear.py), an experiment until measured: before its
-# gdc_wait each program asks Hopper's bulk copy engine (`cp.async.bulk.prefetch.L2`, one instruction per range,
-# nothing waits on it) for its whole weight slice, which then streams in while the kernel before it finishes.
-# A first version, each row's range asked for by several threads at once, made the batch-1 step of Qwen2.5-0.5B
-# 17% slower on the H100 (0.945 ms against 0.810); this one gives each thread its own piece of the slice.
-# benchmarks/step_profile.py times the step both ways.
-PREFETCH = False
-
-
-@triton.jit
-def prefetch_l2(ptrs, nbytes, mask):
-    """Asks for nbytes (a multiple of 16) from each of ptrs (16-byte aligned) where mask holds, into L2."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        "=r,l,r,r", [ptrs, nbytes, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-def prefetch_on(device) -> bool:
-    return PREFETCH and pdl_launch(device)["PDL"]
 
 
 @functools.cache
@@ -141,10 +119,13 @@ def hopper_pays(pass_: str, head_dim: int, causal: bool, max_seqlen: int) -> boo
 DECODE_BLOCK_N = 16 if INTERPRET else 128
 DECODE_NUM_WARPS = 1 if INTERPRET else 4
 DECODE_NUM_STAGES = 1 if INTERPRET else 3
-# Fewer launches per layer in a decode step, experiments until measured on the GPU (benchmarks/step_profile.py times
-# the step both ways): DECODE_MERGE_IN_SPLIT, the split program that finishes last merges its (sequence, KV head)'s
-# splits (no merge kernel); DECODE_ROPE_IN_ATTENTION, the fused decode path rotates q and writes the new token's K/V
-# into the cache in the attention kernel (no RoPE kernel; service.model.llama).
+# Fewer launches per layer in a decode step (benchmarks/step_profile.py times each): DECODE_MERGE_IN_SPLIT, the split
+# program that finishes last merges its (sequence, KV head)'s splits (no merge kernel); DECODE_ROPE_IN_ATTENTION, the
+# fused decode path rotates q and writes the new token's K/V into the cache in the attention kernel (no RoPE kernel;
+# service.model.llama). Off: on the H100 (d0bf65a/35dff4c, random weights), against the step without them, each alone
+# was 6% faster to 4% slower, both together 1-3% faster at batch 1 and 8, 1-6% at 64 and within 1% at 256 for the
+# Qwen2.5-0.5B and Llama-3.2-1B shapes; and RoPE in attention sends speculative verifies back to the prefill path
+# (service/engine/model_runner.py).
 DECODE_MERGE_IN_SPLIT = False
 DECODE_ROPE_IN_ATTENTION = False
 

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch, prefetch_l2, prefetch_on
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import BLOCK_M as TILE_ROWS
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
@@ -72,32 +72,13 @@ def _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1
 
 
 @triton.jit
-def _prefetch_slice(W, N, K, n_start, k_lo, k_hi, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr,
-                    LANES: tl.constexpr):
-    """Rows [n_start, + BLOCK_N) of W (and of its up half, SILU_MUL) over K range [k_lo, k_hi), as LANES pieces
-    (one per thread of the program: no range asked for twice) of whole 16-byte units."""
-    ROWS: tl.constexpr = 2 * BLOCK_N if SILU_MUL else BLOCK_N
-    PER_ROW: tl.constexpr = LANES // ROWS
-    UNIT: tl.constexpr = 16 // (W.dtype.element_ty.primitive_bitwidth // 8)  # elements in 16 bytes
-    lane = tl.arange(0, LANES)
-    r = lane // PER_ROW
-    row = n_start + r % BLOCK_N
-    piece = tl.cdiv(tl.cdiv(k_hi - k_lo, PER_ROW), UNIT) * UNIT
-    start = (lane % PER_ROW) * piece
-    size = tl.minimum(k_hi - k_lo - start, piece)
-    at = W + (row + (r >= BLOCK_N).to(tl.int32) * N).to(tl.int64) * K + k_lo + start
-    prefetch_l2(at, size * (W.dtype.element_ty.primitive_bitwidth // 8), (r < ROWS) & (row < N) & (size > 0))
-
-
-@triton.jit
 def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
                           LW, stride_lw, SCALES, TILES, N0, N1, A0, A1, A2, B0, B1, B2,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
                           TILES_PADDED: tl.constexpr,
                           TILE_ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_LANES: tl.constexpr,
-                          PDL: tl.constexpr):
+                          SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
     m = tl.arange(0, BLOCK_M)
@@ -109,8 +90,6 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
     w_rows = W + n[:, None].to(tl.int64) * K
-    if PREFETCH_LANES > 0:  # kernels.configs.PREFETCH: this program's weight slice into L2, a piece per thread
-        _prefetch_slice(W, N, K, n_start, k_lo, k_hi, BLOCK_N, SILU_MUL, PREFETCH_LANES)
     # The first weight tile is read before waiting on the previous kernel (weights are never written by a step).
     k = k_lo + tl.arange(0, BLOCK_K)
     k_ok = k[None, :] < k_hi
@@ -236,10 +215,6 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
     # Used tiles come first and a slot's rows (<= MAX_ROWS) are one tile: no more tiles than rows are read.
     num_tiles = 0 if lora is None else min(tiles.shape[0], rows)
-    # Bulk prefetches need 16-byte aligned ranges (a K split is whole BLOCK_K tiles) and rows to give each thread.
-    lanes = 32 * warps
-    prefetch = (prefetch_on(x.device) and (k * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0
-                and lanes >= (2 if silu_mul else 1) * block_n)
     if rows:
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
             x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
@@ -247,8 +222,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
             BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
-            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", PREFETCH_LANES=lanes if prefetch else 0,
-            num_warps=warps, num_stages=stages,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))
     return y
 

@@ -14,11 +14,11 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(params=["as_is", "experiments"])
 def switches(request, monkeypatch):
-    """The decode step as it is, and with kernels/configs.py's experiments on (the projections' L2 prefetch; RoPE,
-    the cache write and the splits' merge in the attention kernel)."""
+    """The decode step as it is, and with kernels/configs.py's experiments on (RoPE, the cache write and the splits'
+    merge in the attention kernel)."""
     from kernels import configs
     if request.param == "experiments":
-        for key in ("PREFETCH", "DECODE_ROPE_IN_ATTENTION", "DECODE_MERGE_IN_SPLIT"):
+        for key in ("DECODE_ROPE_IN_ATTENTION", "DECODE_MERGE_IN_SPLIT"):
             monkeypatch.setattr(configs, key, True)
     return request.param
 
