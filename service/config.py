@@ -87,9 +87,12 @@ class Settings(BaseSettings):
     prompt_lookup_min: int = Field(2, ge=1, description="shortest suffix the ngram proposer looks up (vLLM's name)")
     prompt_lookup_max: int = Field(4, ge=1, description="longest suffix the ngram proposer looks up, tried first "
                                    "(vLLM's name)")
-    speculative_disable_by_batch_size: int | None = Field(None, ge=1, description="steps with this many running "
+    # 16: on the H100 (35dff4c) speculation at 128 streams without a limit halved tok/s; verifies of 4 tokens cost
+    # 1.1x a decode step at batch 1 but 1.9-2.0x at 8 and 32, and at 32 streams real n-gram drafts (about half
+    # accepted) lost 47% (benchmarks/spec.py, results README)
+    speculative_disable_by_batch_size: int | None = Field(16, ge=1, description="steps with this many running "
                                                           "sequences or more decode without speculation (a large "
-                                                          "batch is compute-bound). Unset: never")
+                                                          "batch is compute-bound); more than max_num_seqs: never")
     speculative_min_acceptance: float = Field(0.1, ge=0, le=1, description="a sequence whose average accepted "
                                               "fraction of draft tokens falls below this stops proposing for 8 "
                                               "tokens, twice as many after each failed retry (up to 128). 0: never")
