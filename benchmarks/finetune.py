@@ -36,7 +36,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.provenance import git_commit  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.finetune.data import Example  # noqa: E402
 from service.finetune.loss import linear_cross_entropy_ref  # noqa: E402
@@ -450,18 +450,6 @@ def versions(args) -> dict:
         import peft
         found["peft"] = peft.__version__
     return found
-
-
-def git_commit() -> str | None:
-    """BENCH_COMMIT when set (a copied tree's .git may be stale), else git's HEAD; None without git."""
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__)))
-    except OSError:
-        return None
-    return done.stdout.strip() or None
 
 
 def main():

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.provenance import git_commit  # noqa: E402
 from benchmarks.timing import replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
@@ -282,8 +282,7 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "lora.json"
     result = json.loads(path.read_text()) if path.is_file() else {}
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                               capture_output=True, text=True).stdout.strip()
+    commit = git_commit()
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     if args.served:
         result["served"] = {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"),

@@ -56,6 +56,7 @@ from benchmarks.load_generator import (  # noqa: E402
     sequential_ttft,
     summarize,
 )
+from benchmarks.provenance import git_commit  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 ENDPOINTS = {"generate_stream": TGI, "chat": CHAT}
@@ -363,17 +364,6 @@ def parse_args(argv=None):
     args.rates = [float(r) for r in args.rates.split(",") if r]
     args.endpoints = [ENDPOINTS[e] for e in args.endpoints.split(",") if e]
     return args
-
-
-def git_commit() -> str | None:
-    """BENCH_COMMIT when set (a copied tree's .git may be stale: the device machine's was), else git's HEAD."""
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
-    try:  # a copy of the tree without .git, or a machine without git: unknown
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    except OSError:
-        return None
-    return done.stdout.strip() or None
 
 
 def main(argv=None):

@@ -47,7 +47,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.serve import git_commit, prompt_words, start_server, write_model  # noqa: E402
+from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.serve import prompt_words, start_server, write_model  # noqa: E402
 
 # Histogram bins for latencies (seconds): 0.1 ms to 100 s, log-spaced, so workers' counts add up exactly.
 BINS = np.logspace(-4, 2, 241)

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.provenance import git_commit  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.engine import speculative  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
@@ -406,18 +407,27 @@ def main():
         "draft_model": lambda: draft_model(DEFAULT_MODEL_DIR if smoke else tmp, not smoke, args.device,
                                            12 if smoke else 256, 4, 2 if smoke else 4),
     }
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "model": "random Qwen2.5-0.5B shape" if model else "embedded default model"}
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    models = {"copy_heavy_vs_free": "embedded default model", "ngram_host_cost": "none (host-side lookups)",
+              "draft_model": "embedded default model" if smoke else "random Qwen2.5-0.5B shape"}
+    result = {}
     try:
         for name in names:
             result[name] = sections[name]()
     finally:
         if tmp is not None:
             shutil.rmtree(tmp)
+    # The sections run now replace theirs in spec.json; the others stay, each with the run it came from.
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out / "spec.png")
+    path = out / "spec.json"
+    merged = json.loads(path.read_text()) if path.is_file() else {}
+    merged.update(result)
+    default_model = "random Qwen2.5-0.5B shape" if model else "embedded default model"
+    merged.setdefault("runs", {}).update({name: {"device": device, "commit": git_commit(), "model": models.get(
+        name, default_model), "date": time.strftime("%Y-%m-%d")} for name in names})
+    path.write_text(json.dumps(merged, indent=2) + "\n")
+    plot(merged, out / "spec.png")
     print(f"wrote {out / 'spec.json'} and spec.png")
 
 
@@ -441,8 +451,9 @@ def plot(result: dict, path: Path) -> None:
         forced.plot(alphas, [row[f"alpha{a}"]["no_backoff"]["speedup"] for a in alphas], ls="--",
                     color=line.get_color())
     forced.axhline(1.0, color="gray", lw=0.8)
+    forced_model = result.get("runs", {}).get("forced_acceptance", {}).get("model", "")
     forced.set(xlabel="acceptance (accepted / drafted)", ylabel="tokens/s over plain decoding",
-               title=f"Forced acceptance, k = 4 ({result['model']})")
+               title=f"Forced acceptance, k = 4 ({forced_model})")
     rows = result.get("copy_heavy_vs_free", [])
     workloads.bar(range(len(rows)), [r["speedup"] for r in rows])
     workloads.set_xticks(range(len(rows)), [f"{r['workload']}\n{r['streams']} stream(s)" for r in rows])

@@ -23,7 +23,6 @@ import io
 import json
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
+from benchmarks.provenance import git_commit  # noqa: E402
 from benchmarks.timing import replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -60,8 +60,7 @@ def main():
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "commit": os.environ.get("BENCH_COMMIT") or subprocess.run(
-                  ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "commit": git_commit(),
               "date": time.strftime("%Y-%m-%d"), "weights": "random, in the models' shapes: times only"}
     if "linear" in sections:
         result["linear"] = sweep_linear()

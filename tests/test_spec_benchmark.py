@@ -30,6 +30,8 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     assert all(r["identical_to_plain"] for r in rows) and all(r["acceptance"] > 0 for r in rows[:2])
     assert all(r["ngram_no_backoff_tokens_per_s"] > 0 and r["backoffs"] >= 0 for r in rows)
     assert (tmp_path / "spec.png").stat().st_size > 10_000
+    assert result["runs"]["copy_heavy_vs_free"]["model"] == "embedded default model"
+    assert all(run["device"] == "cpu" and run["commit"] for run in result["runs"].values())
     many = result["many_streams"]
     assert many["streams"] == 4 and many["off"]["tokens_per_s"] > 0
     assert many["ngram_disable_at_2"]["drafts"] == 0 and many["ngram_disable_at_None"]["vs_off"] > 0
