@@ -11,7 +11,7 @@ attend_single_rows runs the same kernels on the one-row sequences of a packed va
 that also carries prompt chunks), in place in the step's output, so that the prefill kernel, which would spend a
 BLOCK_M-row tile and a pass over the keys per query head on each of them, only computes the multi-row sequences.
 
-Fewer launches for a decode step (kernels.configs, experiments until measured):
+Fewer launches for a decode step (kernels.configs switches, off: measured within a few percent, see there):
 - merge in the split kernel (DECODE_MERGE_IN_SPLIT): each program counts itself done on its (sequence, KV head)'s
   counter after writing its partials; the last one merges them and puts the counter back to 0, so the counters are
   zero between launches (and graph replays) without a reset kernel;

@@ -73,7 +73,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
 
 def rope_in_attention(q, meta: AttentionMetadata, head_dim: int) -> bool:
     """Whether a decode step's attention kernel also rotates q and k and writes the new K/V into the cache, saving
-    the RoPE kernel's launch (kernels.configs.DECODE_ROPE_IN_ATTENTION, an experiment until measured)."""
+    the RoPE kernel's launch (kernels.configs.DECODE_ROPE_IN_ATTENTION, off by default)."""
     from kernels import configs
     return (configs.DECODE_ROPE_IN_ATTENTION and meta.decode and use_triton(q.device) and head_dim >= 16
             and head_dim & (head_dim - 1) == 0)
