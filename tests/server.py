@@ -44,7 +44,13 @@ class Service:
     log: Path
 
     def log_tail(self, n: int = 4000) -> str:
-        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else "(no log)"
+        """The log's last n characters, without the reference-leak report Triton's bindings print at exit (60-odd
+        lines that pushed a failure's traceback out of the tail)."""
+        if not self.log.exists():
+            return "(no log)"
+        lines = self.log.read_text(errors="replace").splitlines(keepends=True)
+        noise = ("nanobind:", " - leaked ", " - ... skipped remainder", "See https://nanobind")
+        return "".join(line for line in lines if not line.startswith(noise))[-n:]
 
 
 def settings_env(settings: dict) -> dict[str, str]:
