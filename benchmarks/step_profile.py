@@ -80,9 +80,7 @@ def main():
 def prefill_and_decode(n: int) -> dict:
     tmp = Path(tempfile.mkdtemp())
     write_checkpoint(tmp)
-    # Decode graphs only (no prefill or LoRA graphs, benchmarks/lora.py measures those): each path recaptures them.
-    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096, max_loras=0,
-              cuda_graph_max_prefill_tokens=0)
+    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
     runner, model = llm.engine.runner, llm.engine.model
     tables = [list(range(-(-n // runner.block_size)))]
 
