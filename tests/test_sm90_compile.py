@@ -26,10 +26,11 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
                           options=dict(num_warps=num_warps, num_stages=3))
 
 
-def launched_ptx(module, kernel: str, launch) -> str:
+def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
     """Compiles what `launch()` (a launcher of `module`, called on CPU tensors) would launch of module.kernel, with
     the argument types and specializations the JIT gives them on the GPU (an argument of 1 is a constexpr, a
-    tensor its pointer type): a launcher that passes a placeholder of another dtype fails here, not on the GPU."""
+    tensor its pointer type): a launcher that passes a placeholder of another dtype fails here, not on the GPU.
+    gpu_constexprs: what the launcher sets on an H100 only (PDL, from kernels.configs.pdl_launch)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
@@ -45,7 +46,8 @@ def launched_ptx(module, kernel: str, launch) -> str:
     finally:
         setattr(module, kernel, fn)
     options = {key: seen["kwargs"].pop(key) for key in ("num_warps", "num_stages") if key in seen["kwargs"]}
-    pointers, constexprs = {}, dict(seen["kwargs"])
+    seen["kwargs"].pop("launch_pdl", None)
+    pointers, constexprs = {}, {**seen["kwargs"], **gpu_constexprs}
     for name, value in zip(fn.arg_names, seen["args"]):
         kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
         if kind == "constexpr":
@@ -71,7 +73,7 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
     lora = (torch.zeros(8, 16 * 2 * (896 + n), dtype=torch.bfloat16), torch.zeros(8),
             torch.full((8, 17), -1, dtype=torch.int32), 16, parts)
     return launched_ptx(module, "_decode_linear_kernel", lambda: module.decode_linear(
-        x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None))
+        x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
 
 
 def decode_split_ptx(rope: bool, merge: bool) -> str:
@@ -90,14 +92,19 @@ def decode_split_ptx(rope: bool, merge: bool) -> str:
 
 
 def lora_ptx() -> str:
-    from kernels.lora import _lora_kernel
+    """kernels.lora.lora_add_ on q, k and v of 64 bf16 rows (the Qwen2.5-0.5B shape's widths), rank 16."""
+    import numpy as np
+    import torch
 
-    pointers = {"X": "*bf16", "W": "*bf16", "SCALES": "*fp32", "TILES": "*i32", "Y0": "*bf16", "Y1": "*bf16",
-                "Y2": "*bf16"}
-    constexprs = dict(RANK=16, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, N_CHUNK=128, PDL=True)
-    kernel = compile_for_sm90(_lora_kernel, pointers, constexprs, num_warps=4)
-    assert kernel.asm["cubin"]
-    return kernel.asm["ptx"]
+    import kernels.lora as module
+
+    x = torch.randn(64, 896, dtype=torch.bfloat16)
+    outputs = [(torch.zeros(64, n, dtype=torch.bfloat16), a, b)
+               for n, a, b in [(896, 0, 16 * 896), (128, 16 * 1792, 16 * 2688), (128, 16 * 2816, 16 * 3712)]]
+    weights, scales = torch.zeros(8, 16 * 3840, dtype=torch.bfloat16), torch.ones(8)
+    tiles = torch.from_numpy(module.lora_tiles(np.arange(64) % 8, 8))
+    return launched_ptx(module, "_lora_kernel", lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16),
+                        PDL=True)
 
 
 def compiled(case: str, *args) -> str:
