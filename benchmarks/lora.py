@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import replay_ms  # noqa: E402
+from benchmarks.timing import replay_kernel_us, replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -83,8 +83,8 @@ def finish(engine) -> None:
         engine.step()
 
 
-def graph_ms(runner, batch: int, adapters: int, replays: int = 50) -> float | None:
-    """GPU time of one replay of the decode graph that holds `batch` rows, with `adapters` slots in use."""
+def decode_graph(runner, batch: int, adapters: int):
+    """The decode graph that holds `batch` rows (None: none does), with `adapters` slots in use."""
     import numpy as np
 
     from kernels.lora import lora_tiles
@@ -99,7 +99,7 @@ def graph_ms(runner, batch: int, adapters: int, replays: int = 50) -> float | No
         tiles = lora_tiles(row_slots, runner._lora_tiles(key))
         runner.lora_static[:len(tiles)] = torch.from_numpy(tiles).cuda()
         graph = runner.lora_graphs[key]
-    return replay_ms(graph, replays)
+    return graph
 
 
 def step_ms(engine, steps: int) -> float:
@@ -122,8 +122,11 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
             start_decoding(engine, batch, names[:count], f"b{batch}-a{count}", tokens=steps + 64)
             row = {"batch": batch, "adapters": count, "step_ms": step_ms(engine, steps)}
             finish(engine)
-            if engine.device.type == "cuda":
-                row["graph_ms"] = graph_ms(engine.runner, batch, count)
+            graph = decode_graph(engine.runner, batch, count) if engine.device.type == "cuda" else None
+            if graph is not None:
+                row["graph_ms"] = replay_ms(graph)
+                if batch == 1:  # where the adapters' time goes
+                    row["kernel_us"] = replay_kernel_us(graph)
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:  # against the same batch without adapters
@@ -310,6 +313,10 @@ def decode(args, device: str, commit: str) -> dict:
     for r in rows:
         graph = f"{r['graph_ms']:9.3f} {r['graph_x']:7.2f}" if r.get("graph_ms") else f"{'-':>9} {'-':>7}"
         print(f"{r['batch']:>6} {r['adapters']:>9} {r['step_ms']:9.3f} {r['step_x']:7.2f} {graph}")
+    for r in rows:
+        if "kernel_us" in r:
+            print(f"batch 1, {r['adapters']} adapters, GPU us per replay by kernel:", json.dumps(
+                {k: round(v, 1) for k, v in r["kernel_us"].items()}))
     return {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "rank": args.rank, "weights": "random (Qwen2.5-0.5B shape on the GPU): times only", "decode": rows}
 

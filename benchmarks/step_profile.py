@@ -66,6 +66,8 @@ def main():
         result["linear"] = sweep_linear()
     if "lora" in sections:
         result["lora"] = sweep_lora()
+    if "decode_lora" in sections:
+        result["decode_lora"] = sweep_decode_lora()
     if "graphs" in sections:
         result["graphs"] = {name: decode_graphs(config, args.paths.split(",")) for name, config in SHAPES.items()}
         print_graphs(result["graphs"])
@@ -317,6 +319,52 @@ def sweep_linear() -> list[dict]:
 
 
 LORA_CONFIGS = [(chunk, bk, st) for chunk in (64, 128, 256) for bk in (128, 256, 512) for st in (2, 3, 4)]
+
+
+def decode_lora_cases(shape: dict, rank: int) -> dict:
+    """Per projection group of a model shape: (K, widths of its projections, silu_mul, partials) and the slot
+    layout decode_linear's `lora` takes ([(N_p, A offset, B offset)], a slot's size)."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    d = shape.get("head_dim") or h // shape["num_attention_heads"]
+    q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
+    cases = {}
+    for proj, (k, widths, silu, partials) in {"qkv": (h, [q, kv, kv], False, True), "o": (q, [h], False, True),
+                                              "gate_up": (h, [inter, inter], True, False),
+                                              "down": (inter, [h], False, True)}.items():
+        parts, size = [], 0
+        for n in widths:
+            parts.append((n, size, size + rank * k))
+            size += rank * (k + n)
+        cases[proj] = (k, widths, silu, partials, parts, size)
+    return cases
+
+
+def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
+    """kernels/decode_linear.py with the rows' LoRA slots inside against without, each projection group of the
+    Qwen2.5-0.5B shape: 1 row (no adapter, one), 16 rows (none, one, 8 distinct); weights and slots read from HBM
+    as in a step, the calls chained in a graph with PDL as a step's are."""
+    import numpy as np
+
+    from kernels.decode_linear import decode_linear
+    from kernels.lora import lora_tiles, max_tiles
+
+    rows_out = []
+    for proj, (k, widths, silu, partials, parts, size) in decode_lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
+        ws, lws = hbm_copies(sum(widths), k), hbm_copies(slots, size)
+        scales = torch.full((slots,), 2.0, device="cuda")
+        for m, counts in ((1, (0, 1)), (16, (0, 1, 8))):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            row = {"proj": proj, "rows": m}
+            for count in counts:
+                tiles = torch.from_numpy(lora_tiles(np.arange(m, dtype=np.int32) % max(count, 1),
+                                                    max_tiles(m, slots))).cuda()
+                lora = (lambda i: (lws[i % len(lws)], scales, tiles, rank, parts)) if count else (lambda i: None)
+                row[f"us_{count}"] = 1e3 * _graph_ms(lambda i: decode_linear(
+                    x, ws[i % len(ws)], silu_mul=silu, lora=lora(i), partials=partials))
+            rows_out.append(row)
+            print(f"decode_linear {proj:>8} rows {m:>2}: " + ", ".join(
+                f"{c} adapters {row[f'us_{c}']:.1f} us" for c in counts), flush=True)
+    return rows_out
 
 
 def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:

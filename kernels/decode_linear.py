@@ -8,13 +8,14 @@ launches of their own rides in the same program:
 - the bias;
 - SILU_MUL: W holds gate rows [0, N) then up rows [N, 2N) (the fused gate-up weight); a program computes both
   slices of its columns and writes silu(gate) * up;
-- LoRA: for each tile of kernels/lora.py (one adapter slot and its rows; at most MAX_ROWS rows, so a slot's rows
-  are one tile, and a step has at most as many tiles as rows), the shrink t = x A^T rides in the weight's loop,
-  each K tile of x times that tile of A (recomputed by every program: A has `rank` rows and stays in L2, far
-  cheaper than a launch, and the loop's weight loads hide it), then the expand t B^T of the program's columns.
-  Which rows use which slot (the tiles, written before the step) is read before the wait on the kernel before. Up
-  to three projections of one input share the weight (q, k and v as one fused weight): the columns of projection
-  p are [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
+- LoRA: the expand t B^T of the program's columns, for the tiles of kernels/lora.py (one adapter slot and its
+  rows; at most MAX_ROWS rows, so a slot's rows are one tile, and a step has at most as many tiles as rows) side
+  by side in one dot. The shrinks t = x A^T come from kernels.lora.lora_shrink, launched just before: each row's
+  once. (Recomputing them in every program of this kernel, as an earlier version did, cost more than the
+  projection itself: gate-up at 1 row 21 us against 8, at 16 rows 56.) Which rows use which slot (the tiles,
+  written before the step) and the tiles' B are read before the wait on the kernel before. Up to three
+  projections of one input share the weight (q, k and v as one fused weight): the columns of projection p are
+  [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
 
 Math in float32; the base projection and each LoRA intermediate rounded to the output dtype as the unfused layers
 round them. The reference is decode_linear_ref.
@@ -25,59 +26,17 @@ import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import BLOCK_M as TILE_ROWS
+from kernels.lora import lora_shrink
 
 MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
 
 
 @triton.jit
-def _tile(j, slots, tile_ids, row_slot):
-    """Tile j's slot (-1: unused) and which rows are its own (a slot's rows are one tile: those of that slot)."""
-    slot = tl.sum(tl.where(tile_ids == j, slots, 0), 0)
-    return slot, row_slot == tl.where(slot >= 0, slot, -2)
-
-
-@triton.jit
-def _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """t plus x's rows in `mine` ([BLOCK_M, BLOCK_K], columns k) times those columns of A [RANK, K] at weights + a_at,
-    transposed: one K tile of the shrink x A^T."""
-    r = tl.arange(0, RANK)
-    a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=a_ok, other=0.0)
-    return t + tl.dot(tl.where(mine[:, None], x, 0.0), a, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _lora_expand(t, mine, weights, b_at, n_local, n_ok, RANK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """t's rows in `mine` ([BLOCK_M, RANK], scaled and rounded) times this program's columns of B [N_p, RANK] at
-    weights + b_at."""
-    r = tl.arange(0, RANK)
-    b = tl.load(weights + b_at + n_local[None, :] * RANK + r[:, None], mask=n_ok[None, :], other=0.0)
-    return tl.dot(tl.where(mine[:, None], t, 0.0), b, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K,
-                  NUM_TILES: tl.constexpr, RANK: tl.constexpr, SILU_MUL: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One K tile of every tile's shrinks (gate's and up's with SILU_MUL): the rows of different tiles are disjoint,
-    so each shrink adds into one t. Without tiles, nothing is compiled: a projection without LoRA passes any tensor
-    as LW (a loop of no iterations would still be compiled, and a float32 LW would not type-check against x)."""
-    if NUM_TILES > 0:
-        for j in range(NUM_TILES):
-            slot, mine = _tile(j, slots, tile_ids, row_slot)
-            weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
-            a_ok = k[:, None] < tl.where(slot >= 0, k_hi, 0)  # no A to read for an unused tile
-            t = _lora_shrink(t, x, weights, a_at, k, a_ok, K, mine, RANK, DOT_PRECISION)
-            if SILU_MUL:
-                t_up = _lora_shrink(t_up, x, weights, A1, k, a_ok, K, mine, RANK, DOT_PRECISION)
-    return t, t_up
-
-
-@triton.jit
 def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
-                          LW, stride_lw, SCALES, TILES, N0, N1, A0, A1, A2, B0, B1, B2,
+                          LW, stride_lw, TILES, T, stride_t, N0, N1, B0, B1, B2,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
-                          TILES_PADDED: tl.constexpr,
-                          TILE_ROWS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     n_start = tl.program_id(0) * BLOCK_N
     n = n_start + tl.arange(0, BLOCK_N)
@@ -96,34 +55,45 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
     if SILU_MUL:
         w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
-    # LoRA: the projection of this program's columns (a program never straddles two: the launcher's BLOCK_N divides
-    # N0 and N1; SILU_MUL: gate is projection 0 and up projection 1, over the same columns), each row's slot and
-    # scale; the tiles and the slots are written before the step, so they are read before the wait.
-    a_at, b_at, n_local = A0, B0, n
-    if not SILU_MUL:
-        if n_start >= N0 + N1:
-            a_at, b_at, n_local = A2, B2, n - N0 - N1
-        elif n_start >= N0:
-            a_at, b_at, n_local = A1, B1, n - N0
-    tile_ids = tl.arange(0, TILES_PADDED)
-    slots = tl.load(TILES + tile_ids * (1 + TILE_ROWS), mask=tile_ids < NUM_TILES, other=-1)
-    row_slot = tl.full((BLOCK_M,), -1, tl.int32)
-    for j in tl.static_range(NUM_TILES):  # each row's slot, from the tiles' row lists (-1 pads them)
-        rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
-        mine = tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0
-        row_slot = tl.where(mine, tl.sum(tl.where(tile_ids == j, slots, 0), 0), row_slot)
-    t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)  # the shrinks x A^T: gate's (or the projection's) and up's
-    t_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    if NUM_TILES > 0:
+        # LoRA, as one dot over the tiles side by side: column c of the wide intermediate is rank c % RANK of tile
+        # c // RANK, and a row keeps only its own tile's columns. Which projection this program's columns belong to
+        # (a program never straddles two: the launcher's BLOCK_N divides N0 and N1; SILU_MUL: gate is projection 0
+        # and up projection 1, over the same columns), the rows' tiles and the tiles' B (slots are written before
+        # the step) are read before the wait; only the first K split adds the update.
+        proj, b_at, n_local = 0, B0, n
+        if not SILU_MUL:
+            if n_start >= N0 + N1:
+                proj, b_at, n_local = 2, B2, n - N0 - N1
+            elif n_start >= N0:
+                proj, b_at, n_local = 1, B1, n - N0
+        c = tl.arange(0, TILES_PADDED * RANK)
+        tiles = tl.where(tl.program_id(1) == 0, NUM_TILES, 0)  # (masks of one comparison: the interpreter does not
+        # take a scalar and a tensor combined with &)
+        c_slot = tl.load(TILES + (c // RANK) * (1 + TILE_ROWS), mask=c // RANK < tiles, other=-1)
+        b_rows = LW + tl.maximum(c_slot, 0).to(tl.int64)[:, None] * stride_lw + (c % RANK)[:, None]
+        b_ok = (c_slot >= 0)[:, None] & n_ok[None, :]
+        b = tl.load(b_rows + b_at + n_local[None, :] * RANK, mask=b_ok, other=0.0)
+        if SILU_MUL:
+            b_up = tl.load(b_rows + B1 + n_local[None, :] * RANK, mask=b_ok, other=0.0)
+        row_tile = tl.full((BLOCK_M,), -1, tl.int32)
+        for j in tl.static_range(NUM_TILES):  # each row's tile, from the tiles' row lists (-1 pads them)
+            rows = tl.load(TILES + j * (1 + TILE_ROWS) + 1 + tl.arange(0, TILE_ROWS))
+            row_tile = tl.where(tl.sum((rows[None, :] == m[:, None]).to(tl.int32), 1) > 0, j, row_tile)
+        own = (row_tile[:, None] == (c // RANK)[None, :]) & (c // RANK < tiles)[None, :] & m_ok[:, None]
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+    if NUM_TILES > 0:  # the rows' shrinks (kernels.lora.lora_shrink, the kernel before), each in its tile's columns
+        t_cols = T + m[:, None] * stride_t + (c % RANK)[None, :]
+        t = tl.load(t_cols + proj * RANK, mask=own, other=0.0)
+        if SILU_MUL:
+            t_up = tl.load(t_cols + RANK, mask=own, other=0.0)
     x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
     acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_MUL:
         acc_up = tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-    t, t_up = _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K, NUM_TILES,
-                            RANK, SILU_MUL, DOT_PRECISION)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k[None, :] < k_hi
@@ -133,8 +103,6 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         if SILU_MUL:
             w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
-        t, t_up = _shrink_tiles(t, t_up, x, slots, tile_ids, row_slot, LW, stride_lw, a_at, A1, k, k_hi, K,
-                                NUM_TILES, RANK, SILU_MUL, DOT_PRECISION)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
@@ -142,20 +110,10 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     if SPLIT_K == 1:
         acc = acc.to(dtype).to(tl.float32)
         acc_up = acc_up.to(dtype).to(tl.float32)
-
     if NUM_TILES > 0:
-        # Each row's intermediate scaled by its slot's alpha / rank and rounded, as the unfused layers round it.
-        row_scale = tl.load(SCALES + row_slot, mask=row_slot >= 0, other=0.0)
-        t = (t * row_scale[:, None]).to(dtype)
-        t_up = (t_up * row_scale[:, None]).to(dtype)
-        for j in tl.static_range(NUM_TILES):
-            slot, mine = _tile(j, slots, tile_ids, row_slot)
-            weights = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw
-            b_ok = n < tl.where(slot >= 0, N, 0)
-            acc += _lora_expand(t, mine, weights, b_at, n_local, b_ok, RANK, DOT_PRECISION)
-            if SILU_MUL:
-                acc_up += _lora_expand(t_up, mine, weights, B1, n_local, b_ok, RANK, DOT_PRECISION)
+        acc += tl.dot(t, b, input_precision=DOT_PRECISION)
         if SILU_MUL:  # the projections' outputs are rounded before the gate, as in the unfused layer
+            acc_up += tl.dot(t_up, b_up, input_precision=DOT_PRECISION)
             acc = acc.to(dtype).to(tl.float32)
             acc_up = acc_up.to(dtype).to(tl.float32)
     if SILU_MUL:
@@ -212,13 +170,16 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         straddles = not silu_mul and any(p[0] % block_n for p in parts[:-1])
         if sum(p[0] for p in parts) != n * (2 if silu_mul else 1) or straddles:
             raise ValueError(f"LoRA projections {[p[0] for p in parts]} must tile the {n} columns by {block_n}")
+    # Used tiles come first and a slot's rows (<= MAX_ROWS) are one tile: no more tiles than rows, or slots.
+    num_tiles = 0 if lora is None else min(tiles.shape[0], rows, lw.shape[0])
+    t = y
+    if num_tiles:  # each row's shrinks once, in a kernel of their own, rather than in every program of this one
+        t = lora_shrink(x, lw, scales, tiles, rank, [p[1] for p in parts], num_tiles)
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
-    # Used tiles come first and a slot's rows (<= MAX_ROWS) are one tile: no more tiles than rows are read.
-    num_tiles = 0 if lora is None else min(tiles.shape[0], rows)
     if rows:
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
             x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
-            lw, lw.stride(0), scales, tiles, parts[0][0], parts[1][0], *(p[1] for p in parts), *(p[2] for p in parts),
+            lw, lw.stride(0), tiles, t, t.stride(0), parts[0][0], parts[1][0], *(p[2] for p in parts),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
             BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,

@@ -2,19 +2,22 @@
 
 Adapters live in slots: one buffer [slots, size] holds, at fixed offsets of each slot's row, every projection's
 low-rank pair A [R, K] and B [N, R] (zero-padded to the slots' rank R), and scales [slots] each slot's
-alpha / rank. For a projection y = x W^T (x [T, K], y [T, N]) the kernel adds, for the rows of slot s,
-scale_s * (x A_s^T) B_s^T to y in place: the shrink (x A^T, [rows, R]) and the expand (t B^T) in one program, t
-never leaving registers. Projections of one input (q, k and v; gate and up) share one launch.
+alpha / rank. For a projection y = x W^T (x [T, K], y [T, N]) lora_add_ adds, for the rows of slot s,
+scale_s * (x A_s^T) B_s^T to y in place, in two launches for the projections of one input (q, k and v; gate and
+up): the shrinks t = scale x A^T ([rows, R] per projection, each computed once) into a small buffer, then the
+expands t B^T.
 
 Rows are handed to the kernel in tiles of BLOCK_M rows of one slot (lora_tiles, built on the host from each
 row's slot): a tile of a decode step gathers the rows of every sequence that uses that adapter, a tile of a
 prompt covers its consecutive rows. Rows with no adapter are in no tile: they cost nothing but the host's index.
-The tile count is fixed by the batch size (rows / BLOCK_M + slots, see max_tiles), so a CUDA graph captures one
-launch per input (four per layer) and replays it for any mix of adapters; unused tiles return at once.
+The tile count is fixed by the batch size (rows / BLOCK_M + slots, see max_tiles), so a CUDA graph captures two
+launches per input (eight per layer) and replays them for any mix of adapters; unused tiles return at once.
 
-Each program owns one tile and a chunk of the output columns: it computes the tile's t (the shrink, over all of K)
-and then walks its columns. Small batches split the columns finely (many programs, a cheap shrink recomputed by
-each), large ones coarsely (fewer shrinks per row).
+A shrink program owns one tile and one projection (its t over all of K); an expand program one tile and a chunk of
+the output columns. (Until 2026-11-28 one program did both, each recomputing its tile's shrink for its chunk:
+that doubled a LoRA step's cost over the projections'.) Decode steps of up to kernels.decode_linear.MAX_ROWS rows
+take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row tile for one row) and add the
+expand inside their projection's kernel.
 """
 import numpy as np
 import torch
@@ -63,78 +66,179 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @triton.jit
-def _lora_kernel(X, W, SCALES, TILES, Y0, Y1, Y2, stride_x, stride_w, stride_y0, stride_y1, stride_y2, K,
-                 N0, N1, N2, A0, A1, A2, B0, B1, B2, RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, N_CHUNK: tl.constexpr, PDL: tl.constexpr):
+def _tile_shrink_kernel(X, W, TILES, T, stride_x, stride_w, stride_split, stride_t, K, K_SPLIT, A0, A1, A2,
+                        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (tile, p, s): float32 partial sums over K range s of the tile's rows of x A_p^T, at columns
+    [p * RANK, + RANK) of T[s] (a long K in several programs: one would stream down's 4864 alone)."""
+    tile = TILES + tl.program_id(0) * (BLOCK_M + 1)
+    part = tl.program_id(1)
+    a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
+    slot = tl.load(tile)  # the tiles are written before the step: read before the wait, as the slots are
+    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    r = tl.arange(0, RANK)
+    a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[None, :] * K
     if PDL:  # kernels/configs.py: launched while the projection before it finishes, as the decode path's kernels
         gdc_wait()
         gdc_launch_dependents()
+    if slot >= 0:
+        k_lo = tl.program_id(2) * K_SPLIT
+        k_hi = tl.minimum(K, k_lo + K_SPLIT)
+        t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < k_hi),
+                        other=0.0)
+            a = tl.load(a_rows + k[:, None], mask=k[:, None] < k_hi, other=0.0)
+            t += tl.dot(x, a, input_precision=DOT_PRECISION)
+        out = T + tl.program_id(2) * stride_split + rows[:, None] * stride_t + part * RANK + r[None, :]
+        tl.store(out, t, mask=valid[:, None])
+
+
+@triton.jit
+def _expand_kernel(T, W, SCALES, TILES, Y0, Y1, Y2, stride_split, stride_t, stride_w, stride_y0, stride_y1,
+                   stride_y2, N0, N1, N2, B0, B1, B2, SPLITS: tl.constexpr, RANK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   PDL: tl.constexpr):
+    """Program (tile, chunk): y += t B^T for the tile's rows over one chunk of the outputs' columns."""
     # Which output this program writes: the column chunks of Y0, then Y1's, then Y2's.
     chunk = tl.program_id(1)
-    y, n_out, a_at, b_at, stride_y = Y0, N0, A0, B0, stride_y0
+    part, y, n_out, b_at, stride_y = 0, Y0, N0, B0, stride_y0
     if chunk >= tl.cdiv(N0, N_CHUNK):
         chunk -= tl.cdiv(N0, N_CHUNK)
-        y, n_out, a_at, b_at, stride_y = Y1, N1, A1, B1, stride_y1
+        part, y, n_out, b_at, stride_y = 1, Y1, N1, B1, stride_y1
         if chunk >= tl.cdiv(N1, N_CHUNK):
             chunk -= tl.cdiv(N1, N_CHUNK)
-            y, n_out, a_at, b_at, stride_y = Y2, N2, A2, B2, stride_y2
+            part, y, n_out, b_at, stride_y = 2, Y2, N2, B2, stride_y2
     tile = TILES + tl.program_id(0) * (BLOCK_M + 1)
     slot = tl.load(tile)
+    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    r = tl.arange(0, RANK)
+    weights = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + b_at
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     if slot >= 0:
-        rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-        valid = rows >= 0
-        rows = tl.where(valid, rows, 0).to(tl.int64)
-        weights = W + slot.to(tl.int64) * stride_w
-        r = tl.arange(0, RANK)
-        # Shrink: t = x A^T over all of K, accumulated in float32.
-        t = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=valid[:, None] & (k[None, :] < K), other=0.0)
-            a = tl.load(weights + a_at + r[None, :] * K + k[:, None], mask=k[:, None] < K, other=0.0)
-            t += tl.dot(x, a)
-        # Rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-        t = (t * tl.load(SCALES + slot)).to(X.dtype.element_ty)
-        # Expand into this program's columns: y += t B^T.
+        t_at = T + rows[:, None] * stride_t + part * RANK + r[None, :]
+        t = tl.load(t_at, mask=valid[:, None], other=0.0)
+        for s in tl.static_range(1, SPLITS):  # the shrink's partial sums, in a fixed order
+            t += tl.load(t_at + s * stride_split, mask=valid[:, None], other=0.0)
+        # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
+        t = (t * tl.load(SCALES + slot)).to(Y0.dtype.element_ty)
         for n0 in range(chunk * N_CHUNK, tl.minimum(n_out, (chunk + 1) * N_CHUNK), BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            b = tl.load(weights + b_at + n[None, :] * RANK + r[:, None], mask=n[None, :] < n_out, other=0.0)
+            b = tl.load(weights + n[None, :] * RANK + r[:, None], mask=n[None, :] < n_out, other=0.0)
             ok = valid[:, None] & (n[None, :] < n_out)
             y_ptr = y + rows[:, None] * stride_y + n[None, :]
-            out = tl.load(y_ptr, mask=ok, other=0.0).to(tl.float32) + tl.dot(t, b)
+            out = tl.load(y_ptr, mask=ok, other=0.0).to(tl.float32) + tl.dot(t, b, input_precision=DOT_PRECISION)
             tl.store(y_ptr, out.to(y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _row_slot(TILES, row, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The slot of token row `row` (-1: none), from the tiles' row lists."""
+    j = tl.arange(0, TILES_PADDED)
+    used = j < NUM_TILES
+    listed = tl.load(TILES + j[:, None] * (BLOCK_M + 1) + 1 + tl.arange(0, BLOCK_M)[None, :], mask=used[:, None],
+                     other=-1)
+    slots = tl.load(TILES + j * (BLOCK_M + 1), mask=used, other=-1)
+    return tl.max(tl.where(tl.sum((listed == row).to(tl.int32), 1) > 0, slots, -1), 0)
+
+
+@triton.jit
+def _shrink_kernel(X, W, SCALES, TILES, T, stride_x, stride_w, stride_t, K, A0, A1, A2,
+                   NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    row, part = tl.program_id(0), tl.program_id(1)
+    a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
+    r = tl.program_id(2) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    # The row's slot, its scale and the first K block of A are read before the wait: the tiles and the slots are
+    # written before the step, never by the kernel before this one.
+    slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, BLOCK_M)
+    k_end = tl.where(slot >= 0, K, 0)  # a row of no slot reads nothing (a mask of one comparison: the interpreter
+    # does not take a scalar and a tensor combined with &)
+    a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[:, None] * K
+    k = tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + k[None, :], mask=k[None, :] < k_end, other=0.0)
+    scale = tl.load(SCALES + tl.maximum(slot, 0))
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+    acc = a.to(tl.float32) * x.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):  # K past one block (BLOCK_K is all of it up to 8192)
+        k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_rows + k[None, :], mask=k[None, :] < k_end, other=0.0)
+        x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+        acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
+    # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
+    t = tl.sum(acc, 1) * scale
+    tl.store(T + row * stride_t + part * RANK + r, t.to(T.dtype.element_ty), mask=r < tl.where(slot >= 0, RANK, 0))
+
+
+def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
+                a_offsets: list[int], num_tiles: int) -> torch.Tensor:
+    """The shrinks of a few rows (a decode step's), each computed once: t [T, P * rank] in x's dtype, for each row
+    of a slot s (listed in the first num_tiles of tiles) and each projection p (A_s at a_offsets[p] of the slot's
+    row of weights, up to three): scale_s * x A_s^T at columns [p * rank, + rank). A row in no tile is left unset.
+    Each program reads one row's A over all of K for a few of its ranks with CUDA cores (one row of x is no
+    matrix for tl.dot), up to 8192 values of A: one round trip to memory, issued before the wait."""
+    rows, k = x.shape
+    t = torch.empty(rows, len(a_offsets) * rank, dtype=x.dtype, device=x.device)
+    if rows == 0 or num_tiles == 0:
+        return t
+    block_k = min(triton.next_power_of_2(k), 8192)
+    rank_block = max(1, min(rank, 4096 // block_k))
+    offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
+    _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
+        x, weights, scales, tiles, t, x.stride(0), weights.stride(0), t.stride(0), k, *offsets,
+        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
+        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, num_warps=4, **pdl_launch(x.device))
+    return t
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
               scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None) -> None:
     """For up to three projections of one input x [T, K] (q, k and v, say): y [T, N] += scale_s * (x A_s^T) B_s^T
-    for the rows of each slot s listed in tiles (lora_tiles, on the device), in place, in one launch. outputs:
-    (y, offset of A, offset of B) per projection, A [rank, K] and B [N, rank] at those offsets of each slot's row
-    of weights [slots, size] (scales [slots]); y may be a column slice of a wider tensor. config: (N_CHUNK,
-    BLOCK_K, num_stages) instead of _config's."""
-    (t, k), ys = x.shape, [y for y, _, _ in outputs]
+    for the rows of each slot s listed in tiles (lora_tiles, on the device), in place, in two launches (the
+    shrinks, then the expands). outputs: (y, offset of A, offset of B) per projection, A [rank, K] and B [N, rank]
+    at those offsets of each slot's row of weights [slots, size] (scales [slots]); y may be a column slice of a
+    wider tensor. config: (N_CHUNK, BLOCK_K, num_stages) instead of CONFIG."""
+    (rows, k), ys = x.shape, [y for y, _, _ in outputs]
     if x.stride(1) != 1 or weights.stride(1) != 1 or any(y.stride(1) != 1 for y in ys) or not 1 <= len(ys) <= 3:
         raise ValueError("lora_add_ needs one to three outputs, all with unit column strides")
-    if t == 0 or tiles.shape[0] == 0:
+    if rows == 0 or tiles.shape[0] == 0:
         return
     padded = outputs + [(ys[0][:, :0], 0, 0)] * (3 - len(outputs))
-    n_chunk, block_k, stages = config or _config(tiles.shape[0], sum(y.shape[1] for y in ys), k)
+    n_chunk, block_k, stages = config or CONFIG
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    k_split = triton.cdiv(K_SPLIT, block_k) * block_k
+    splits = triton.cdiv(k, k_split)
+    t = torch.empty(splits, rows, len(outputs) * rank, dtype=torch.float32, device=x.device)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as the model's own matmuls
+    _tile_shrink_kernel[(tiles.shape[0], len(outputs), splits)](
+        x, weights, tiles, t, x.stride(0), weights.stride(0), t.stride(0), t.stride(1), k, k_split,
+        *(a for _, a, _ in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, DOT_PRECISION=precision,
+        num_warps=4, num_stages=stages, **pdl_launch(x.device))
     chunks = sum(triton.cdiv(y.shape[1], n_chunk) for y in ys)
-    _lora_kernel[(tiles.shape[0], chunks)](
-        x, weights, scales, tiles, *(y for y, _, _ in padded), x.stride(0), weights.stride(0),
-        *(y.stride(0) for y, _, _ in padded), k, *(y.shape[1] for y, _, _ in padded),
-        *(a for _, a, _ in padded), *(b for _, _, b in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64,
-        BLOCK_K=min(block_k, max(16, triton.next_power_of_2(k))), N_CHUNK=n_chunk, num_warps=4, num_stages=stages,
-        **pdl_launch(x.device))
+    _expand_kernel[(tiles.shape[0], chunks)](
+        t, weights, scales, tiles, *(y for y, _, _ in padded), t.stride(0), t.stride(1), weights.stride(0),
+        *(y.stride(0) for y, _, _ in padded), *(y.shape[1] for y, _, _ in padded), *(b for _, _, b in padded),
+        SPLITS=splits, RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64, N_CHUNK=n_chunk, DOT_PRECISION=precision, num_warps=4,
+        num_stages=stages, **pdl_launch(x.device))
 
 
-def _config(num_tiles: int, n: int, k: int) -> tuple[int, int, int]:
-    """(N_CHUNK, BLOCK_K, num_stages) for `num_tiles` tiles, outputs n columns wide in all, and K = k. Timed on the
-    H100 with the slots' weights read from HBM (benchmarks/step_profile.py --sections lora, Qwen2.5-0.5B shape, 64
-    and 256 rows over 8 adapters): wide chunks for wide outputs (gate-up: 9.3 us against 17.0 for 64 columns at 64
-    rows) and for many tiles (fewer shrinks recomputed per row), a long K tile for a long K (down: 10.1 against
-    14.6), 128 columns and 128-long K tiles otherwise."""
-    return (256 if n >= 4096 or num_tiles > 16 else 128), (512 if k >= 4096 else 128), 3
+# (N_CHUNK, BLOCK_K, num_stages) of lora_add_. Timed on the H100 with the slots' weights read from HBM
+# (benchmarks/step_profile.py --sections lora, Qwen2.5-0.5B shape, 64 and 256 rows over 8 adapters, 2026-11-28):
+# 64-column chunks (the most programs: no shrink is recomputed per chunk) and 512-long K tiles were best or within
+# 0.2 us of it for every projection group and both row counts (gate-up at 64 rows: 7.6 us with 128 columns, 7.8
+# with 64).
+CONFIG = (64, 512, 3)
+K_SPLIT = 1024  # K per shrink program (a multiple of BLOCK_K): a longer K takes several, summed by the expand
 
 
 def lora_add_ref(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,

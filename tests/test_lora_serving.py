@@ -39,10 +39,11 @@ def test_tiles_hold_every_adapter_row_once_in_a_tile_of_its_slot():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,k,widths,slots,rank", [(1, 64, (64,), 1, 4), (37, 96, (150, 40, 40), 4, 16),
-                                                      (130, 200, (333, 70), 8, 40)])
+                                                      (130, 200, (333, 70), 8, 40), (20, 2100, (48,), 2, 16)])
 def test_kernel_matches_the_float32_reference(device, dtype, rows, k, widths, slots, rank):
-    """Up to three projections of one input in one launch, each output a column slice of one wider tensor (as a
-    fused projection's), adapters of rank `rank` zero-padded to the slots' rank, rows with no adapter untouched."""
+    """Up to three projections of one input, each output a column slice of one wider tensor (as a fused
+    projection's), adapters of rank `rank` zero-padded to the slots' rank, rows with no adapter untouched; a K
+    longer than kernels.lora.K_SPLIT shrinks in several programs."""
     r = slot_rank(rank)
     x = torch.randn(rows, k, dtype=dtype, device=device)
     wide = torch.randn(rows, sum(widths) + 24, dtype=dtype, device=device)

@@ -26,6 +26,16 @@ def compile_for_sm90(fn, pointers: dict[str, str], constexprs: dict, num_warps: 
                           options=dict(num_warps=num_warps, num_stages=3))
 
 
+class Capture:
+    """Stands in for a @triton.jit kernel: a launch records its arguments in `seen` and runs nothing."""
+
+    def __init__(self, seen: dict):
+        self.seen = seen
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.seen.update(args=args, kwargs=kwargs)
+
+
 def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
     """Compiles what `launch()` (a launcher of `module`, called on CPU tensors) would launch of module.kernel, with
     the argument types and specializations the JIT gives them on the GPU (an argument of 1 is a constexpr, a
@@ -35,12 +45,7 @@ def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
     from triton.backends.compiler import BaseBackend
 
     fn, seen = getattr(module, kernel), {}
-
-    class Capture:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: seen.update(args=args, kwargs=kwargs)
-
-    setattr(module, kernel, Capture())
+    setattr(module, kernel, Capture(seen))
     try:
         launch()
     finally:
@@ -61,10 +66,13 @@ def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
 
 def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int) -> str:
     """kernels.decode_linear as a decode step calls it (bf16, the Qwen2.5-0.5B shape's widths), without LoRA or
-    with `tiles` tiles of rank 16."""
+    with `tiles` tiles of rank 16 (the shrink kernel it launches first: shrink_launched)."""
     import torch
 
     import kernels.decode_linear as module
+    import kernels.lora
+
+    kernels.lora._shrink_kernel = Capture({})  # runs in a process of its own (compiled)
 
     n = 4864 if silu_mul else 896
     x = torch.randn(rows, 896, dtype=torch.bfloat16)
@@ -74,6 +82,20 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
             torch.full((8, 17), -1, dtype=torch.int32), 16, parts)
     return launched_ptx(module, "_decode_linear_kernel", lambda: module.decode_linear(
         x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
+
+
+def shrink_launched(rows: int, k: int, parts: int) -> str:
+    """kernels.lora.lora_shrink of `rows` bf16 rows, K = k, for `parts` projections of rank 16 over 8 slots."""
+    import numpy as np
+    import torch
+
+    import kernels.lora as module
+
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
+    tiles = torch.from_numpy(module.lora_tiles(np.arange(rows) % 8, module.max_tiles(rows, 8)))
+    return launched_ptx(module, "_shrink_kernel", lambda: module.lora_shrink(
+        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8)), PDL=True)
 
 
 def decode_split_ptx(rope: bool, merge: bool) -> str:
@@ -91,8 +113,9 @@ def decode_split_ptx(rope: bool, merge: bool) -> str:
     return kernel.asm["ptx"]
 
 
-def lora_ptx() -> str:
-    """kernels.lora.lora_add_ on q, k and v of 64 bf16 rows (the Qwen2.5-0.5B shape's widths), rank 16."""
+def lora_ptx(kernel: str) -> str:
+    """kernels.lora.lora_add_'s `kernel` (_tile_shrink_kernel or _expand_kernel) on q, k and v of 64 bf16 rows
+    (the Qwen2.5-0.5B shape's widths), rank 16."""
     import numpy as np
     import torch
 
@@ -103,8 +126,9 @@ def lora_ptx() -> str:
                for n, a, b in [(896, 0, 16 * 896), (128, 16 * 1792, 16 * 2688), (128, 16 * 2816, 16 * 3712)]]
     weights, scales = torch.zeros(8, 16 * 3840, dtype=torch.bfloat16), torch.ones(8)
     tiles = torch.from_numpy(module.lora_tiles(np.arange(64) % 8, 8))
-    return launched_ptx(module, "_lora_kernel", lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16),
-                        PDL=True)
+    for other in {"_tile_shrink_kernel", "_expand_kernel"} - {kernel}:
+        setattr(module, other, Capture({}))  # runs in a process of its own (compiled)
+    return launched_ptx(module, kernel, lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16), PDL=True)
 
 
 def compiled(case: str, *args) -> str:
@@ -122,6 +146,14 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
     assert "mma" in compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
 
 
+@pytest.mark.parametrize("rows,k,parts", [(1, 896, 3), (16, 4864, 1)])
+def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts):
+    """The slots' A is read before the wait on the kernel before (it is written before the step), x after it."""
+    ptx = compiled("shrink_launched", rows, k, parts)
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     ptx = compiled("decode_split", rope, True)
@@ -131,12 +163,17 @@ def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     assert "atom." not in compiled("decode_split", rope, False)
 
 
-def test_lora_kernel_waits_on_the_projection_before_it():
-    ptx = compiled("lora")
-    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")  # no read before the projection is done
+@pytest.mark.parametrize("kernel", ["_tile_shrink_kernel", "_expand_kernel"])
+def test_lora_kernels_read_their_input_after_the_wait(kernel):
+    """The tiles are read before the wait on the kernel before (written before the step); x, or the shrinks, and
+    the outputs after it."""
+    ptx = compiled("lora", kernel)
+    wait = ptx.index("griddepcontrol.wait")
+    assert "mma" in ptx[wait:] and "ld.global" in ptx[wait:]
 
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
-    cases = {"decode_linear_launched": decode_linear_launched, "decode_split": decode_split_ptx, "lora": lora_ptx}
+    cases = {"decode_linear_launched": decode_linear_launched, "shrink_launched": shrink_launched,
+             "decode_split": decode_split_ptx, "lora": lora_ptx}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))
