@@ -232,12 +232,11 @@ def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], wei
         num_stages=stages, **pdl_launch(x.device))
 
 
-# (N_CHUNK, BLOCK_K, num_stages) of lora_add_. Timed on the H100 with the slots' weights read from HBM
-# (benchmarks/step_profile.py --sections lora, Qwen2.5-0.5B shape, 64 and 256 rows over 8 adapters, 2026-11-28):
-# 64-column chunks (the most programs: no shrink is recomputed per chunk) and 512-long K tiles were best or within
-# 0.2 us of it for every projection group and both row counts (gate-up at 64 rows: 7.6 us with 128 columns, 7.8
-# with 64).
-CONFIG = (64, 512, 3)
+# (N_CHUNK, BLOCK_K, num_stages) of lora_add_. Timed with the slots' weights read from HBM (benchmarks/
+# step_profile.py --sections lora, Qwen2.5-0.5B shape, 64 and 256 rows over 8 adapters, H200, 2026-11-28):
+# 64-column chunks (the most programs: no shrink is recomputed per chunk) and 256-long K tiles were best, or within
+# 0.1 us of it (o at 64 rows), for every projection group at both row counts.
+CONFIG = (64, 256, 3)
 K_SPLIT = 1024  # K per shrink program (a multiple of BLOCK_K): a longer K takes several, summed by the expand
 
 
