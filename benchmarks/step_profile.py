@@ -10,9 +10,10 @@ launches (per step and per layer) and the GPU time of one replay of its CUDA gra
 512-token context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside
 the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations
 against cuBLAS on each projection of both shapes at 1 and 16 rows; --sections lora: kernels/lora.py's (the LoRA
-updates of larger steps) at 64 and 256 rows over 8 adapters.
+updates of larger steps) at 64 and 256 rows over 8 adapters; --sections decode_lora: decode_linear with its rows'
+LoRA slots against without, each projection of the Qwen2.5-0.5B shape at 1 and 16 rows.
 
-python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora] [--out DIR]
+python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora,decode_lora] [--out DIR]
 
 Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
 step_profile.json.
@@ -54,7 +55,7 @@ def median_ms(fn, repeat: int = 50) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora")
+    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora,decode_lora")
     parser.add_argument("--paths", default=",".join(p for p, *_ in PATHS), help="the graphs section's paths")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     args = parser.parse_args()

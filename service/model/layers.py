@@ -7,7 +7,8 @@ kernels/elementwise.py instead. Training and the CPU keep the eager path, which 
 Fused projections (inference on CUDA, once `fuse` ran): projections of one input share one weight tensor (q, k and
 v; gate and up), the modules' own weights being views of its rows, so checkpoints, adapters and training still see
 the modules. Up to kernels.decode_linear.MAX_ROWS token rows (decode steps) run kernels/decode_linear.py: one
-launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA slots inside; more rows run one cuBLAS
+launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expands inside (their shrinks in a
+launch before it, kernels.lora.lora_shrink); more rows run one cuBLAS
 GEMM per fused weight, the slots' updates added by kernels/lora.py.
 """
 import math

@@ -9,9 +9,9 @@ Which adapter applies to which rows is per thread (threading.local), so a traini
 and an engine step in another can run through the same modules at once:
 - training: `with activate([(adapter, None)])`, the adapter applies to every row;
 - serving from slots (LoRA adapters up to the slots' rank): LoRASlots holds `max_loras` adapters on the device in
-  a buffer allocated once; `with serving_slots(slots, tiles, row_slots)` the decoder adds (add_slot_updates), one
-  kernel per input of projections (kernels/lora.py), the update of each row's slot. The buffer never moves, so
-  CUDA graphs capture this path and replay it for any mix of adapters;
+  a buffer allocated once; `with serving_slots(slots, tiles, row_slots)` the decoder adds (add_slot_updates), a
+  shrink and an expand kernel per input of projections (kernels/lora.py), the update of each row's slot. The
+  buffer never moves, so CUDA graphs capture this path and replay it for any mix of adapters;
 - serving eagerly (dense adapters, ranks past the slots'): `with serving_adapters(model, names)` with one adapter
   name (or None = base) per flat token row; each distinct adapter adds its update to its own rows.
 """
@@ -376,7 +376,7 @@ class LoRASlots:
 
 def add_slot_updates(x: torch.Tensor, *projections: tuple[nn.Linear, torch.Tensor]) -> None:
     """Serving from slots: adds each token row's adapter update to the outputs of these projections of input x, in
-    place, in one kernel. Nothing unless this thread serves from slots (serving_slots)."""
+    place (kernels.lora.lora_add_: two launches). Nothing unless this thread serves from slots (serving_slots)."""
     slots = getattr(_local, "slots", None)
     if slots is not None:
         slots.apply(x, projections)
