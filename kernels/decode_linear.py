@@ -1,5 +1,6 @@
 """Linear layers of decode steps (up to MAX_ROWS token rows): y = x W^T (+ bias), with the SwiGLU gate in the
-epilogue and the LoRA updates of the rows' adapter slots added, in one kernel.
+epilogue and the LoRA updates of the rows' adapter slots added, in one kernel (with adapters, after one launch of
+their shrinks).
 
 At a few rows a projection does almost no math: its time is streaming W from HBM once, plus the launch. Each
 program streams a BLOCK_N-row slice of W over all of K, or over a range of K whose float32 partial sums the next

@@ -4,8 +4,8 @@ Adapters live in slots: one buffer [slots, size] holds, at fixed offsets of each
 low-rank pair A [R, K] and B [N, R] (zero-padded to the slots' rank R), and scales [slots] each slot's
 alpha / rank. For a projection y = x W^T (x [T, K], y [T, N]) lora_add_ adds, for the rows of slot s,
 scale_s * (x A_s^T) B_s^T to y in place, in two launches for the projections of one input (q, k and v; gate and
-up): the shrinks t = scale x A^T ([rows, R] per projection, each computed once) into a small buffer, then the
-expands t B^T.
+up): the shrinks x A^T ([rows, R] per projection, each computed once, as float32 partial sums over ranges of K)
+into a small buffer, then the expands, which add those up, scale them and add t B^T.
 
 Rows are handed to the kernel in tiles of BLOCK_M rows of one slot (lora_tiles, built on the host from each
 row's slot): a tile of a decode step gathers the rows of every sequence that uses that adapter, a tile of a
@@ -13,7 +13,7 @@ prompt covers its consecutive rows. Rows with no adapter are in no tile: they co
 The tile count is fixed by the batch size (rows / BLOCK_M + slots, see max_tiles), so a CUDA graph captures two
 launches per input (eight per layer) and replays them for any mix of adapters; unused tiles return at once.
 
-A shrink program owns one tile and one projection (its t over all of K); an expand program one tile and a chunk of
+A shrink program owns one tile, one projection and up to K_SPLIT of K; an expand program one tile and a chunk of
 the output columns. (Until 2026-11-28 one program did both, each recomputing its tile's shrink for its chunk:
 that doubled a LoRA step's cost over the projections'.) Decode steps of up to kernels.decode_linear.MAX_ROWS rows
 take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row tile for one row) and add the
