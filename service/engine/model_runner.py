@@ -296,18 +296,17 @@ class ModelRunner:
         else:
             key = next((k for k in prefill_graphs if k[0] >= len(input_ids) and k[1] >= len(batch.seqs)), None)
         plan.lora = seq_slots is not None
+        row_slots = np.repeat(seq_slots, batch.num_tokens) if plan.lora else None  # each flat token row's slot
         if key is not None and not hooks and decode:
             plan.kind, plan.key = DECODE_GRAPH, (key, 0)
             plan.arrays = self._decode_rows(key, batch, input_ids, seqlens_k, tables)
             if plan.lora:
-                row_slots = np.repeat(seq_slots, batch.num_tokens)
                 plan.arrays.append(lora_kernels.lora_tiles(row_slots, self._lora_tiles(key)))
             return plan, sample_index
         sources = None
         if fill_rows:
             sources = np.full(len(input_ids), -1, dtype=np.int64)
             sources[fill_rows] = from_rows
-        row_slots = np.repeat(seq_slots, batch.num_tokens) if plan.lora else None
         if key is not None and not hooks:
             plan.kind, plan.key = PREFILL_GRAPH, key
             plan.arrays = list(self._pack(input_ids, seqlens_q, seqlens_k, tables,
