@@ -322,9 +322,9 @@ def sweep_linear() -> list[dict]:
 LORA_CONFIGS = [(chunk, bk, st) for chunk in (64, 128, 256) for bk in (128, 256, 512) for st in (2, 3, 4)]
 
 
-def decode_lora_cases(shape: dict, rank: int) -> dict:
-    """Per projection group of a model shape: (K, widths of its projections, silu_mul, partials) and the slot
-    layout decode_linear's `lora` takes ([(N_p, A offset, B offset)], a slot's size)."""
+def lora_cases(shape: dict, rank: int) -> dict:
+    """Per projection group of a model shape: (K, widths of its projections, silu_mul, partials in a decode step)
+    and its slot layout ([(N_p, A offset, B offset)] as decode_linear's `lora` takes it, a slot's size)."""
     h, inter = shape["hidden_size"], shape["intermediate_size"]
     d = shape.get("head_dim") or h // shape["num_attention_heads"]
     q, kv = shape["num_attention_heads"] * d, shape["num_key_value_heads"] * d
@@ -350,7 +350,7 @@ def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
     from kernels.lora import lora_tiles, max_tiles
 
     rows_out = []
-    for proj, (k, widths, silu, partials, parts, size) in decode_lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
+    for proj, (k, widths, silu, partials, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
         ws, lws = hbm_copies(sum(widths), k), hbm_copies(slots, size)
         scales = torch.full((slots,), 2.0, device="cuda")
         for m, counts in ((1, (0, 1)), (16, (0, 1, 8))):
@@ -376,16 +376,8 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
 
     from kernels.lora import lora_add_, lora_tiles, max_tiles
 
-    c = SHAPES["Qwen2.5-0.5B"]
-    h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
-    kv = c["num_key_value_heads"] * d
     rows_out = []
-    for proj, (k, widths) in {"qkv": (h, [h, kv, kv]), "o": (h, [h]), "gate_up": (h, [inter, inter]),
-                              "down": (inter, [h])}.items():
-        parts, size = [], 0
-        for n in widths:
-            parts.append((size, size + rank * k))
-            size += rank * (k + n)
+    for proj, (k, widths, _, _, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
         lws = hbm_copies(adapters, size)
         copies = len(lws)
         scales = torch.ones(adapters, device="cuda")
@@ -396,7 +388,7 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
             slots = np.arange(m, dtype=np.int32) % adapters
             tiles = torch.from_numpy(lora_tiles(slots, max_tiles(m, adapters))).cuda()
             timed = {cfg: _graph_ms(lambda i, cfg=cfg: lora_add_(
-                x, [(yp, a, b) for yp, (a, b) in zip(ys, parts)], lws[i % copies], scales, tiles, rank, config=cfg))
+                x, [(yp, a, b) for yp, (_, a, b) in zip(ys, parts)], lws[i % copies], scales, tiles, rank, config=cfg))
                 for cfg in LORA_CONFIGS}
             best = min(timed, key=timed.get)
             row = {"proj": proj, "rows": m, "adapters": adapters, "best_us": 1e3 * timed[best], "best": best,

@@ -38,12 +38,12 @@ def test_every_path_switch_is_a_setting_of_kernels_configs():
         assert all(isinstance(getattr(configs, key), bool) for key in switches)
 
 
-def test_every_decode_lora_case_is_a_valid_decode_linear_call():
-    """--sections decode_lora's projection groups (here of a small shape) with their slot layouts: decode_linear
-    with one adapter matches its reference."""
+def test_every_lora_case_is_a_valid_decode_linear_call():
+    """The projection groups of --sections decode_lora and lora (here of a small shape) with their slot layouts:
+    decode_linear with one adapter matches its reference."""
     shape = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1}
     rank, slots = 16, 2
-    for proj, (k, widths, silu, partials, parts, size) in step_profile.decode_lora_cases(shape, rank).items():
+    for proj, (k, widths, silu, partials, parts, size) in step_profile.lora_cases(shape, rank).items():
         gen = torch.Generator().manual_seed(len(proj))
         x, w = torch.randn(3, k, generator=gen), torch.randn(sum(widths), k, generator=gen) / k ** 0.5
         lw, scales = torch.randn(slots, size, generator=gen) / 4, torch.rand(slots, generator=gen) + 0.5
