@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import replay_ms  # noqa: E402
+from benchmarks.timing import kernel_us, replay_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
@@ -154,22 +154,6 @@ def prime_decode_rows(runner, batch: int, context: int) -> None:
     rows[:batch, 5] = torch.arange(batch, dtype=torch.int32, device=rows.device)
 
 
-def count_kernels(fn) -> tuple[int, dict[str, float]]:
-    """Kernels one call of fn launches (eagerly: the graph of the same forward holds the same kernels), and the
-    GPU microseconds of each kernel name."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not e.name.startswith(("Memcpy", "Memset"))]
-    times: dict[str, float] = {}
-    for e in kernels:
-        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time
-    return len(kernels), times
-
-
 # (name, fused projections, kernels.configs switches): the path as it is, with kernels/configs.py's one-attention-kernel
 # switches (RoPE and the cache write, and the splits' merge, in the split kernel) together and each alone, without
 # PDL, and the module path
@@ -207,10 +191,10 @@ def decode_graphs(config: dict, paths: list[str]) -> dict:
             prime_decode_rows(runner, batch, CONTEXT)
             with torch.inference_mode():
                 forward = runner._decode_forward(batch)
-                kernels, times = count_kernels(forward)
+                kernels, times = kernel_us(forward)
                 layers = model.model.layers
                 model.model.layers = layers[:1]
-                one_layer, _ = count_kernels(forward)
+                one_layer, _ = kernel_us(forward)
                 model.model.layers = layers
             cells[str(batch)] = {"graph_ms": replay_ms(runner.graphs[batch]), "kernels": kernels,
                                  "kernels_per_layer": (kernels - one_layer) / (len(layers) - 1)}

@@ -16,17 +16,25 @@ def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 50) -> float:
     return start.elapsed_time(stop) / replays
 
 
-def replay_kernel_us(graph: torch.cuda.CUDAGraph, replays: int = 10, top: int = 12) -> dict[str, float]:
-    """GPU microseconds per replay of each kernel name in a captured CUDA graph (torch.profiler), the `top` ones:
-    where a graph's time goes."""
-    graph.replay()
+def kernel_us(fn, calls: int = 1) -> tuple[int, dict[str, float]]:
+    """Kernels one call of fn launches, and the GPU microseconds of each kernel name per call, from `calls` calls
+    under torch.profiler after one to warm up (memory copies and sets left out). Where fn replays a graph, a
+    kernel's time includes what it waits for under programmatic dependent launch."""
+    fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and not e.name.startswith(("Memcpy", "Memset"))]
     times: dict[str, float] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time / replays
+    for e in kernels:
+        times[e.name[:60]] = times.get(e.name[:60], 0.0) + e.device_time / calls
+    return len(kernels) // calls, times
+
+
+def replay_kernel_us(graph: torch.cuda.CUDAGraph, replays: int = 10, top: int = 12) -> dict[str, float]:
+    """GPU microseconds per replay of the `top` kernel names of a captured CUDA graph: where its time goes."""
+    times = kernel_us(graph.replay, replays)[1]
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
