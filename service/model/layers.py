@@ -8,8 +8,8 @@ Fused projections (inference on CUDA, once `fuse` ran): projections of one input
 v; gate and up), the modules' own weights being views of its rows, so checkpoints, adapters and training still see
 the modules. Up to kernels.decode_linear.MAX_ROWS token rows (decode steps) run kernels/decode_linear.py: one
 launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expands inside (their shrinks in a
-launch before it, kernels.lora.lora_shrink); more rows run one cuBLAS
-GEMM per fused weight, the slots' updates added by kernels/lora.py.
+launch before it, kernels.lora.lora_shrink); more rows run one cuBLAS GEMM per fused weight, the slots' updates
+added by kernels/lora.py.
 """
 import math
 
