@@ -169,7 +169,7 @@ def test_lora_kernels_read_their_input_after_the_wait(kernel):
     the outputs after it."""
     ptx = compiled("lora", kernel)
     wait = ptx.index("griddepcontrol.wait")
-    assert "mma" in ptx[wait:] and "ld.global" in ptx[wait:]
+    assert "ld.global" in ptx[:wait] and "mma" in ptx[wait:] and "ld.global" in ptx[wait:]
 
 
 if __name__ == "__main__":
