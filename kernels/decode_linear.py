@@ -137,7 +137,8 @@ def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, i
 
 
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
-                  lora: tuple | None = None, partials: bool = False, config=None) -> torch.Tensor:
+                  lora: tuple | None = None, partials: bool = False, config=None,
+                  shrunk: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= MAX_ROWS, K] (unit column stride) -> x weight^T (+ bias) [M, N]; silu_mul: weight [2N, K] holds
     gate then up, the result is silu(x gate^T) * (x up^T) [M, N].
 
@@ -146,7 +147,10 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     silu_mul: gate's and up's, N_p = N)) adds each tiled row's adapter update to each projection's columns.
 
     partials (not with silu_mul): float32 partial sums [S, M, N] over S ranges of K (S = 1 where splitting does
-    not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_, apply_rope_)."""
+    not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_, apply_rope_).
+
+    shrunk: the rows' LoRA shrinks, already computed by the kernel that produced x (kernels.elementwise's norms,
+    [M, projections * rank]), instead of a lora_shrink launch."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     if rows > MAX_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
@@ -175,7 +179,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     num_tiles = 0 if lora is None else min(tiles.shape[0], rows, lw.shape[0])
     t = y
     if num_tiles:  # each row's shrinks once, in a kernel of their own, rather than in every program of this one
-        t = lora_shrink(x, lw, scales, tiles, rank, [p[1] for p in parts], num_tiles)
+        t = shrunk if shrunk is not None else lora_shrink(x, lw, scales, tiles, rank, [p[1] for p in parts],
+                                                          num_tiles)
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
     if rows:
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](

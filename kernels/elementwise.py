@@ -7,20 +7,32 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.lora import _shrink_chunk, _shrink_store, shrink_chunks_args
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
+                     LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1, A2, BLOCK: tl.constexpr,
+                     SHRINKS: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr,
+                     TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = chunk == 0
+    if SHRINKS:  # program (row, chunk): a chunk of the row's LoRA shrinks (kernels.lora), A read before the wait
+        slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK)
+        live = live | (slot >= 0)  # the other chunks of a row of no slot do nothing
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-    y = _normed_row(x, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if live:
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _normed_row(x, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+        if chunk == 0:
+            tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
+        if SHRINKS:
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t)
 
 
 @triton.jit
@@ -32,18 +44,24 @@ def _normed_row(x, w_ptr, cols, ok, n_cols, eps, dtype: tl.constexpr):
     return normed.to(dtype).to(tl.float32) * w
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., dim] -> RMSNorm(x) * weight, like x."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple | None = None):
+    """x [..., dim] -> RMSNorm(x) * weight, like x.
+
+    shrinks (x [rows, dim]): (slot weights, scales, tiles, rank, A offsets of up to three projections) of the
+    projections that read the result: the same launch also computes their LoRA shrinks, scaled and rounded (each
+    row's in a few programs that normalize it again, kernels.lora._shrink_chunk: a launch less). Returns (result,
+    t [rows, projections * rank]) then."""
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    t, chunks, lora = shrink_chunks_args(out, shrinks)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps,
-                                           BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8,
-                                           **pdl_launch(x.device))
-    return out.view(x.shape)
+        _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
+                                                  BLOCK=triton.next_power_of_2(dim),
+                                                  num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
+    return out.view(x.shape) if shrinks is None else (out, t)
 
 
 @triton.jit
@@ -57,40 +75,68 @@ def _summed(ptr, stride_split, mask, SPLITS: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res, stride_out, n_cols,
-                         eps, SPLITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res,
+                         stride_res_out, stride_out, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1,
+                         A2, SPLITS: tl.constexpr, BLOCK: tl.constexpr, SHRINKS: tl.constexpr,
+                         NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr,
+                         RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = chunk == 0
+    if SHRINKS:  # as in _rms_norm_kernel (the new residual then goes to another tensor: chunks read the old one)
+        slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK)
+        live = live | (slot >= 0)
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < n_cols
-    dtype = res_ptr.dtype.element_ty
-    x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
-    res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
-    # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
-    total = (res + x).to(dtype)
-    tl.store(res_ptr + row * stride_res + cols, total, mask=ok)
-    y = _normed_row(total.to(tl.float32), w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if live:
+        ok = cols < n_cols
+        dtype = res_ptr.dtype.element_ty
+        x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
+        # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
+        total = (res + x).to(dtype)
+        y = _normed_row(total.to(tl.float32), w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
+        y = y.to(out_ptr.dtype.element_ty)
+        if chunk == 0:
+            tl.store(res_out_ptr + row * stride_res_out + cols, total, mask=ok)
+            tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
+        if SHRINKS:
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """residual += x (in place), then RMSNorm(residual) * weight: the decoder's residual add and the next norm in
     one pass. residual [rows, dim]; x like it, or float32 partial sums [splits, rows, dim] of the projection that
     produced it (kernels.decode_linear partials), added up and rounded here."""
+    return _add_rms_norm(x, residual, residual, weight, eps, None)[0]
+
+
+def add_rms_norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         shrinks: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm's) of the projections that read the
+    result, and writes the new residual to a new tensor (several programs read each row of the old one). Returns
+    (result, new residual, t)."""
+    new_residual = torch.empty_like(residual)
+    out, t = _add_rms_norm(x, residual, new_residual, weight, eps, shrinks)
+    return out, new_residual, t
+
+
+def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks):
     rows, dim = residual.shape
     splits = x.shape[0] if x.dim() == 3 else 1
     if x.shape[-2:] != residual.shape or x.stride(-1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual must be [rows, dim] with unit column stride, got {tuple(x.shape)}, "
                          f"{tuple(residual.shape)}")
     out = torch.empty_like(residual)
+    t, chunks, lora = shrink_chunks_args(out, shrinks)
     if rows:
-        _add_rms_norm_kernel[(rows,)](x, residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2),
-                                      residual.stride(0), out.stride(0), dim, eps, SPLITS=splits,
-                                      BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8,
-                                      **pdl_launch(x.device))
-    return out
+        _add_rms_norm_kernel[(rows, chunks)](
+            x, residual, new_residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2), residual.stride(0),
+            new_residual.stride(0), out.stride(0), dim, eps, **lora, SPLITS=splits, BLOCK=triton.next_power_of_2(dim),
+            num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
+    return out, t
 
 
 @triton.jit

@@ -27,6 +27,11 @@ import triton.language as tl
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 
 BLOCK_M = 16  # rows per tile: tl.dot's smallest
+# Up to this many rows, the RMSNorm before a projection group computes the rows' shrinks for it (_shrink_chunk: a
+# launch less); each row reads its slot's A alone there, and normalizes again in each program of a chunk of it, so
+# more rows share each A read over a tile of rows in lora_add_'s tile shrink instead. (H200, Qwen2.5-0.5B shape, 8
+# adapters over all rows: the LoRA graph at 64 rows 1.46x the base with it, 1.54x without; at 256 1.56x, 1.48x.)
+ROW_SHRINK_MAX_ROWS = 64
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 
 
@@ -125,10 +130,11 @@ def _expand_kernel(T, W, SCALES, TILES, Y0, Y1, Y2, stride_split, stride_t, stri
     if slot >= 0:
         t_at = T + rows[:, None] * stride_t + part * RANK + r[None, :]
         t = tl.load(t_at, mask=valid[:, None], other=0.0)
-        for s in tl.static_range(1, SPLITS):  # the shrink's partial sums, in a fixed order
-            t += tl.load(t_at + s * stride_split, mask=valid[:, None], other=0.0)
-        # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-        t = (t * tl.load(SCALES + slot)).to(Y0.dtype.element_ty)
+        if SPLITS > 0:  # float32 partial sums of the shrink, added in a fixed order; SPLITS = 0: scaled and rounded
+            for s in tl.static_range(1, SPLITS):
+                t += tl.load(t_at + s * stride_split, mask=valid[:, None], other=0.0)
+            # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
+            t = (t * tl.load(SCALES + slot)).to(Y0.dtype.element_ty)
         for n0 in range(chunk * N_CHUNK, tl.minimum(n_out, (chunk + 1) * N_CHUNK), BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             b = tl.load(weights + n[None, :] * RANK + r[:, None], mask=n[None, :] < n_out, other=0.0)
@@ -147,6 +153,54 @@ def _row_slot(TILES, row, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, B
                      other=-1)
     slots = tl.load(TILES + j * (BLOCK_M + 1), mask=used, other=-1)
     return tl.max(tl.where(tl.sum((listed == row).to(tl.int32), 1) > 0, slots, -1), 0)
+
+
+@triton.jit
+def _shrink_chunk(W, stride_w, SCALES, TILES, row, chunk, cols, K, A0, A1, A2, NUM_TILES: tl.constexpr,
+                  TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr):
+    """For a kernel whose programs (row, chunk) each hold one whole row of a projection group's input (an RMSNorm's
+    output): the part of the row's shrinks program `chunk` computes, RANK_CHUNK ranks of one projection, read
+    before its wait (the slots and the tiles are written before the step). Returns (the row's slot, -1: none; its
+    scale; A's rows [RANK_CHUNK, K] at columns cols, zeros without a slot; their columns in T). _shrink_store ends
+    it. (One program per row reading all of A took a dozen round trips to memory one after another: 11 us a norm.)"""
+    slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, TILE_ROWS)
+    part = chunk // (RANK // RANK_CHUNK)
+    r = (chunk % (RANK // RANK_CHUNK)) * RANK_CHUNK + tl.arange(0, RANK_CHUNK)
+    # Offsets in the slots are multiples of the rank (slot_rank: 16 or more), which lets A's rows load as vectors
+    a_at = tl.multiple_of(tl.where(part == 0, A0, tl.where(part == 1, A1, A2)), 16)
+    a = tl.zeros((RANK_CHUNK, cols.shape[0]), W.dtype.element_ty)
+    if slot >= 0:  # (a branch, not a mask: the mask of a bound known divisible lets the loads be vectors)
+        w = W + slot.to(tl.int64) * stride_w + a_at
+        a = tl.load(w + r[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
+    return slot, tl.load(SCALES + tl.maximum(slot, 0)), a, part * RANK + r
+
+
+@triton.jit
+def _shrink_store(y, slot, scale, a, t_cols, T, row, stride_t):
+    """scale * y A^T for the chunk _shrink_chunk read (y: the row, float32, rounded as stored), rounded to T's dtype
+    as a dense LoRA layer's intermediate is, into the row's columns of T; nothing for a row of no slot."""
+    if slot >= 0:
+        t = tl.sum(a.to(tl.float32) * y[None, :], 1) * scale
+        tl.store(T + row * stride_t + t_cols, t.to(T.dtype.element_ty))
+
+
+def shrink_chunks_args(x: torch.Tensor, lora: tuple | None) -> tuple[torch.Tensor | None, int, dict]:
+    """The launch of a kernel whose programs (row, chunk) run _shrink_chunk on the rows of x [rows, K] it
+    normalizes: (T, chunks per row, its arguments) for lora = (slot weights, scales, tiles, rank, A offsets of the
+    group's projections), or (None, 1, arguments that turn it off, x standing in for the unused pointers)."""
+    rows, k = x.shape
+    if lora is None:
+        return None, 1, dict(LW=x, stride_lw=0, SCALES=x, TILES=x, T=x, stride_t=0, A0=0, A1=0, A2=0, SHRINKS=False,
+                             NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1)
+    weights, scales, tiles, rank, a_offsets = lora
+    t = torch.empty(rows, len(a_offsets) * rank, dtype=x.dtype, device=x.device)
+    num_tiles = min(tiles.shape[0], rows, max_tiles(rows, weights.shape[0]))  # used tiles come first
+    offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
+    rank_chunk = max(1, min(rank, 8192 // triton.next_power_of_2(k)))  # a chunk of A: 64 registers a thread
+    return t, len(a_offsets) * rank // rank_chunk, dict(
+        LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=t, stride_t=t.stride(0), A0=offsets[0],
+        A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
+        TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk)
 
 
 @triton.jit
@@ -202,12 +256,14 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
-              scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None) -> None:
+              scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None,
+              shrunk: torch.Tensor | None = None) -> None:
     """For up to three projections of one input x [T, K] (q, k and v, say): y [T, N] += scale_s * (x A_s^T) B_s^T
     for the rows of each slot s listed in tiles (lora_tiles, on the device), in place, in two launches (the
     shrinks, then the expands). outputs: (y, offset of A, offset of B) per projection, A [rank, K] and B [N, rank]
     at those offsets of each slot's row of weights [slots, size] (scales [slots]); y may be a column slice of a
-    wider tensor. config: (N_CHUNK, BLOCK_K, num_stages) instead of CONFIG."""
+    wider tensor. config: (N_CHUNK, BLOCK_K, num_stages) instead of CONFIG. shrunk: the shrinks, already computed
+    (scaled and rounded, [T, projections * rank], as kernels.elementwise's norms give them): the expands only."""
     (rows, k), ys = x.shape, [y for y, _, _ in outputs]
     if x.stride(1) != 1 or weights.stride(1) != 1 or any(y.stride(1) != 1 for y in ys) or not 1 <= len(ys) <= 3:
         raise ValueError("lora_add_ needs one to three outputs, all with unit column strides")
@@ -216,14 +272,17 @@ def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], wei
     padded = outputs + [(ys[0][:, :0], 0, 0)] * (3 - len(outputs))
     n_chunk, block_k, stages = config or CONFIG
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    k_split = triton.cdiv(K_SPLIT, block_k) * block_k
-    splits = triton.cdiv(k, k_split)
-    t = torch.empty(splits, rows, len(outputs) * rank, dtype=torch.float32, device=x.device)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as the model's own matmuls
-    _tile_shrink_kernel[(tiles.shape[0], len(outputs), splits)](
-        x, weights, tiles, t, x.stride(0), weights.stride(0), t.stride(0), t.stride(1), k, k_split,
-        *(a for _, a, _ in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, DOT_PRECISION=precision,
-        num_warps=4, num_stages=stages, **pdl_launch(x.device))
+    if shrunk is None:
+        k_split = triton.cdiv(K_SPLIT, block_k) * block_k
+        splits = triton.cdiv(k, k_split)
+        t = torch.empty(splits, rows, len(outputs) * rank, dtype=torch.float32, device=x.device)
+        _tile_shrink_kernel[(tiles.shape[0], len(outputs), splits)](
+            x, weights, tiles, t, x.stride(0), weights.stride(0), t.stride(0), t.stride(1), k, k_split,
+            *(a for _, a, _ in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, DOT_PRECISION=precision,
+            num_warps=4, num_stages=stages, **pdl_launch(x.device))
+    else:
+        splits, t = 0, shrunk[None]
     chunks = sum(triton.cdiv(y.shape[1], n_chunk) for y in ys)
     _expand_kernel[(tiles.shape[0], chunks)](
         t, weights, scales, tiles, *(y for y, _, _ in padded), t.stride(0), t.stride(1), weights.stride(0),

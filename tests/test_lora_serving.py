@@ -15,6 +15,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.model.lora import Adapter, LoRAConfig, add_adapter
 from service.protocol import SamplingParams
+from tests.helpers import rel_err
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +69,63 @@ def test_kernel_matches_the_float32_reference(device, dtype, rows, k, widths, sl
     untouched = (row_slots < 0).to(device)
     assert torch.equal(wide[untouched], before[untouched])
     assert not torch.equal(wide[~untouched], before[~untouched])
+
+
+@pytest.mark.parametrize("rows,slots,widths,add", [(1, 1, (64, 32, 32), False), (13, 3, (48, 48), True),
+                                                   (37, 8, (64, 32, 32), True), (37, 8, (48, 48), False)])
+def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, rows, slots, widths, add):
+    """kernels.elementwise's norms with `shrinks`: the normalized rows as without, and each adapter row's scaled
+    shrinks x A^T of its slot rounded as lora_add_ref rounds them; the projections' kernels take them (decode_linear
+    up to its rows, lora_add_'s expand past them) and give what their reference gives."""
+    from kernels.decode_linear import MAX_ROWS, decode_linear, decode_linear_ref
+    from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm
+
+    k, r = 200, 16
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
+        gen = torch.Generator().manual_seed(rows + slots)
+        parts, size = [], 0
+        for n in widths:
+            parts.append((n, size, size + r * k))
+            size += r * (k + n)
+        weights = (torch.randn(slots, size, generator=gen) * 0.3).to(device, dtype)
+        scales = (torch.rand(slots, generator=gen) + 0.5).to(device)
+        x, residual = (torch.randn(rows, k, generator=gen).to(device, dtype) for _ in range(2))
+        norm_weight = torch.randn(k, generator=gen).to(device, dtype)
+        row_slots = np.arange(rows, dtype=np.int32) % slots
+        row_slots[rows // 2] = -1 if rows > 1 else row_slots[0]
+        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
+        shrinks = (weights, scales, tiles, r, [a for _, a, _ in parts])
+        if add:
+            total = residual.clone()
+            plain = add_rms_norm_(x, total, norm_weight, 1e-6)
+            before = residual.clone()
+            h, new_residual, t = add_rms_norm_shrinks(x, residual, norm_weight, 1e-6, shrinks)
+            assert torch.equal(new_residual, total) and torch.equal(residual, before)
+        else:
+            plain = rms_norm(x, norm_weight, 1e-6)
+            h, t = rms_norm(x, norm_weight, 1e-6, shrinks=shrinks)
+        assert torch.equal(h, plain)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for row in np.flatnonzero(row_slots >= 0):
+            s = int(row_slots[row])
+            for p, (_, a_at, _) in enumerate(parts):
+                a = weights[s, a_at:a_at + r * k].view(r, k).float()
+                want = (h[row].float() @ a.t() * scales[s]).to(dtype)
+                torch.testing.assert_close(t[row, p * r:(p + 1) * r].float(), want.float(), atol=tol, rtol=tol)
+        w = (torch.randn(sum(widths), k, generator=gen) / k ** 0.5).to(device, dtype)
+        silu = len(widths) == 2
+        device_slots = torch.from_numpy(row_slots).to(device)
+        ref = decode_linear_ref(h, w, silu_mul=silu, lora=(weights, scales, tiles, r, parts), row_slots=device_slots)
+        if rows <= MAX_ROWS:
+            got = decode_linear(h, w, silu_mul=silu, lora=(weights, scales, tiles, r, parts), shrunk=t)
+            assert rel_err(got, ref) < tol
+        if not silu:
+            y, want = h @ w.t(), h @ w.t()
+            outputs = [(y[:, c - n:c], a, b) for (n, a, b), c in zip(parts, np.cumsum(widths))]
+            lora_add_(h, outputs, weights, scales, tiles, r, shrunk=t)
+            lora_add_ref(h, [(want[:, c - n:c], a, b) for (n, a, b), c in zip(parts, np.cumsum(widths))], weights,
+                         scales, device_slots, r)
+            assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------

@@ -52,8 +52,13 @@ def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
         setattr(module, kernel, fn)
     options = {key: seen["kwargs"].pop(key) for key in ("num_warps", "num_stages") if key in seen["kwargs"]}
     seen["kwargs"].pop("launch_pdl", None)
-    pointers, constexprs = {}, {**seen["kwargs"], **gpu_constexprs}
-    for name, value in zip(fn.arg_names, seen["args"]):
+    pointers, constexprs = {}, dict(gpu_constexprs)
+    arguments = {**dict(zip(fn.arg_names, seen["args"])), **seen["kwargs"]}  # a keyword may carry a tensor too
+    declared = {param.name for param in fn.params if param.is_constexpr}
+    for name, value in arguments.items():
+        if name in declared:
+            constexprs.setdefault(name, value)
+            continue
         kind, spec = native_specialize_impl(BaseBackend, value, False, True, True)
         if kind == "constexpr":
             constexprs[name] = spec
@@ -131,6 +136,25 @@ def lora_ptx(kernel: str) -> str:
     return launched_ptx(module, kernel, lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16), PDL=True)
 
 
+def norm_launched(add: bool, rows: int, k: int, parts: int) -> str:
+    """kernels.elementwise's rms_norm (add_rms_norm_ where `add`) of `rows` bf16 rows, K = k, computing the
+    shrinks of `parts` projections of rank 16 over 8 slots."""
+    import numpy as np
+    import torch
+
+    import kernels.elementwise as module
+    from kernels.lora import lora_tiles, max_tiles
+
+    x, w = torch.randn(rows, k, dtype=torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
+    weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
+    tiles = torch.from_numpy(lora_tiles(np.arange(rows) % 8, max_tiles(rows, 8)))
+    shrinks = (weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)])
+    if add:
+        return launched_ptx(module, "_add_rms_norm_kernel", lambda: module.add_rms_norm_shrinks(
+            x.clone(), x.clone(), w, 1e-6, shrinks), PDL=True)
+    return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm(x, w, 1e-6, shrinks=shrinks), PDL=True)
+
+
 def compiled(case: str, *args) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, case, json.dumps(args)], env=env, capture_output=True, text=True,
@@ -154,6 +178,16 @@ def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts):
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
+@pytest.mark.parametrize("add,rows,k,parts", [(False, 1, 896, 3), (True, 64, 896, 2), (True, 256, 2048, 3)])
+def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts):
+    """Each program's chunk of A is read before the wait (with the rows' slots, from the tiles: both are written
+    before the step), and stays in registers across it (no local memory); the rows after it."""
+    ptx = compiled("norm_launched", add, rows, k, parts)
+    wait = ptx.index("griddepcontrol.wait")
+    before = ptx[:wait].count("ld.global")
+    assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     ptx = compiled("decode_split", rope, True)
@@ -175,5 +209,5 @@ def test_lora_kernels_read_their_input_after_the_wait(kernel):
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     cases = {"decode_linear_launched": decode_linear_launched, "shrink_launched": shrink_launched,
-             "decode_split": decode_split_ptx, "lora": lora_ptx}
+             "decode_split": decode_split_ptx, "lora": lora_ptx, "norm_launched": norm_launched}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))

@@ -53,17 +53,28 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add(self, x, residual, fused: bool = False):
+    def add(self, x, residual, fused: bool = False, shrinks: tuple | None = None):
         """The residual stream's step: residual + x (x None: the stream's first value is residual alone), and its
-        norm; returns (norm, new residual). fused: one kernel, the residual updated in place; x may then be a
-        projection's partial sums (service.model.layers.fused_projection)."""
-        if x is None:
-            return self(residual), residual
+        norm; returns (norm, new residual, shrinks). fused: one kernel, the residual updated in place; x may then be
+        a projection's partial sums (service.model.layers.fused_projection), and, given `shrinks`
+        (service.model.lora.slot_shrinks) and at most kernels.lora.ROW_SHRINK_MAX_ROWS rows, the kernel also
+        computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
+        tensor)."""
         if fused:
-            from kernels.elementwise import add_rms_norm_
-            return add_rms_norm_(x, residual, self.weight, self.eps), residual
-        residual = residual + x
-        return self(residual), residual
+            from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm
+            from kernels.lora import ROW_SHRINK_MAX_ROWS
+
+            shrinks = shrinks if residual.shape[0] <= ROW_SHRINK_MAX_ROWS else None
+            if shrinks is None:
+                norm = self(residual) if x is None else add_rms_norm_(x, residual, self.weight, self.eps)
+                return norm, residual, None
+            if x is None:
+                norm, shrunk = rms_norm(residual, self.weight, self.eps, shrinks=shrinks)
+                return norm, residual, shrunk
+            return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks)
+        if x is not None:
+            residual = residual + x
+        return self(residual), residual, None
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -146,9 +157,11 @@ class MLP(nn.Module):
         """One [2 * intermediate, hidden] weight, gate's rows then up's (the modules' weights become its views)."""
         self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
 
-    def forward(self, x):
+    def forward(self, x, shrunk=None):
+        """shrunk: the LoRA shrinks of gate and up, computed by the norm before (RMSNorm.add), on the fused path."""
         if fused_inference(self, "gate_up_weight", x):
-            hidden = fused_projection(x, self.gate_up_weight, None, (self.gate_proj, self.up_proj), silu=True)
+            hidden = fused_projection(x, self.gate_up_weight, None, (self.gate_proj, self.up_proj), silu=True,
+                                      shrunk=shrunk)
             # One rank: the residual add that follows sums the down projection's partial sums (kernels/elementwise.py)
             down = fused_projection(hidden, self.down_proj.weight, None, (self.down_proj,), partials=self.tp.size == 1)
             return all_reduce(down, self.tp)
@@ -188,17 +201,19 @@ def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return weight, bias
 
 
-def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False):
+def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None):
     """Inference on CUDA: the projections `linears` of input x [rows, in], whose weights are the rows of the fused
     `weight` (fuse_linears), with the LoRA updates of the rows' slots; silu: linears are gate and up, and the
     result is the SwiGLU gate silu(gate) * up. partials: the result may come as float32 partial sums [splits, rows,
-    out] (kernels.decode_linear), for a consumer that adds them up (RMSNorm.add)."""
+    out] (kernels.decode_linear), for a consumer that adds them up (RMSNorm.add). shrunk: the rows' LoRA shrinks,
+    already computed by the norm that produced x (RMSNorm.add)."""
     from kernels.decode_linear import MAX_ROWS, decode_linear
     if x.shape[0] <= MAX_ROWS:
-        return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials)
+        return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials,
+                             shrunk=shrunk)
     y = F.linear(x, weight, bias)
     parts = y.split([linear.out_features for linear in linears], dim=1)
-    add_slot_updates(x, *zip(linears, parts))
+    add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
     if silu:
         from kernels.elementwise import silu_mul
         return silu_mul(*parts)

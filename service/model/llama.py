@@ -19,7 +19,7 @@ from service.model.attention import (
 )
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
-from service.model.lora import add_slot_updates
+from service.model.lora import add_slot_updates, slot_shrinks
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
 
@@ -46,7 +46,7 @@ class Attention(nn.Module):
         """One [q + k + v, hidden] weight and bias (the modules' become its views), see service.model.layers."""
         self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
-    def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata):
+    def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata, shrunk):
         """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel, or in the
         attention kernel of a decode step (service.model.attention.rope_in_attention). Up to
         decode_linear's rows, both projections hand float32 partial sums over ranges of K to the kernel after them
@@ -54,7 +54,7 @@ class Attention(nn.Module):
         all-reduced first."""
         rows, d = x.shape[0], self.head_dim
         qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj),
-                               partials=not hasattr(self, "q_norm"))
+                               partials=not hasattr(self, "q_norm"), shrunk=shrunk)
         q, k, v = (t.unflatten(-1, (-1, d)) for t in qkv.split([self.num_heads * d, self.num_kv_heads * d,
                                                                 self.num_kv_heads * d], dim=-1))
         if hasattr(self, "q_norm"):
@@ -68,9 +68,11 @@ class Attention(nn.Module):
         projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1)
         return all_reduce(projected, self.tp)
 
-    def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0):
+    def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0,
+                shrunk=None):
+        """shrunk: the LoRA shrinks of q, k and v, computed by the norm before (RMSNorm.add), on the fused path."""
         if meta is not None and fused_inference(self, "qkv_weight", x):
-            return self._forward_fused(x, positions, rotary, meta)
+            return self._forward_fused(x, positions, rotary, meta, shrunk)
         shape = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         add_slot_updates(x, (self.q_proj, q), (self.k_proj, k), (self.v_proj, v))
@@ -103,11 +105,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, positions, rotary, meta, cu_seqlens=None, max_seqlen=0):
         """x: the previous layer's output, added to the residual stream here (None at the first layer); returns
         this layer's output and the stream. The add and the next norm are one kernel with fused projections."""
-        fused = fused_inference(self.self_attn, "qkv_weight", residual)
-        h, residual = self.input_layernorm.add(x, residual, fused)
-        out = self.self_attn(h, positions, rotary, meta, cu_seqlens, max_seqlen)
-        h, residual = self.post_attention_layernorm.add(out, residual, fused)
-        return self.mlp(h), residual
+        attn, mlp = self.self_attn, self.mlp
+        fused = fused_inference(attn, "qkv_weight", residual)
+        # Serving adapters from slots, each norm also computes the LoRA shrinks of the projections that read it
+        shrinks = slot_shrinks(attn.q_proj, attn.k_proj, attn.v_proj) if fused and meta is not None else None
+        h, residual, shrunk = self.input_layernorm.add(x, residual, fused, shrinks)
+        out = attn(h, positions, rotary, meta, cu_seqlens, max_seqlen, shrunk=shrunk)
+        shrinks = slot_shrinks(mlp.gate_proj, mlp.up_proj) if fused else None
+        h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks)
+        return mlp(h, shrunk=shrunk), residual
 
 
 class LlamaModel(nn.Module):

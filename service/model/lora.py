@@ -358,8 +358,10 @@ class LoRASlots:
             entry = self._packed[id(adapter)] = (adapter, flat)
         return entry[1]
 
-    def apply(self, x: torch.Tensor, projections: tuple[tuple[nn.Linear, torch.Tensor], ...]) -> None:
-        """Adds the update of each row's slot to the outputs of projections of input x (in place)."""
+    def apply(self, x: torch.Tensor, projections: tuple[tuple[nn.Linear, torch.Tensor], ...],
+              shrunk: torch.Tensor | None = None) -> None:
+        """Adds the update of each row's slot to the outputs of projections of input x (in place); shrunk (CUDA):
+        their shrinks, already computed (slot_shrinks)."""
         tiles, row_slots = _local.slots_batch
         outputs = []
         for linear, y in projections:
@@ -368,18 +370,20 @@ class LoRASlots:
         x = x.reshape(-1, x.shape[-1])
         if x.is_cuda:
             from kernels.lora import lora_add_
-            lora_add_(x, outputs, self.storage, self.scales, tiles, self.rank)
+            lora_add_(x, outputs, self.storage, self.scales, tiles, self.rank, shrunk=shrunk)
         else:
             from kernels.lora import lora_add_ref
             lora_add_ref(x, outputs, self.storage, self.scales, row_slots, self.rank)
 
 
-def add_slot_updates(x: torch.Tensor, *projections: tuple[nn.Linear, torch.Tensor]) -> None:
+def add_slot_updates(x: torch.Tensor, *projections: tuple[nn.Linear, torch.Tensor],
+                     shrunk: torch.Tensor | None = None) -> None:
     """Serving from slots: adds each token row's adapter update to the outputs of these projections of input x, in
-    place (kernels.lora.lora_add_: two launches). Nothing unless this thread serves from slots (serving_slots)."""
+    place (kernels.lora.lora_add_: two launches, or one with the shrinks `shrunk` already computed). Nothing unless
+    this thread serves from slots (serving_slots)."""
     slots = getattr(_local, "slots", None)
     if slots is not None:
-        slots.apply(x, projections)
+        slots.apply(x, projections, shrunk)
 
 
 def slot_lora(linears) -> tuple | None:
@@ -394,6 +398,14 @@ def slot_lora(linears) -> tuple | None:
         a_at, b_at, _, n_out = slots.layout[linear._lora_name]
         parts.append((n_out, a_at, b_at))
     return slots.storage, slots.scales, _local.slots_batch[0], slots.rank, parts
+
+
+def slot_shrinks(*linears: nn.Linear) -> tuple | None:
+    """The `shrinks` argument of kernels.elementwise's norms for the projections of one input that read the norm:
+    their LoRA shrinks computed in the norm's kernel, from slot_lora's slots, tiles and A offsets; None when the
+    thread serves no slots."""
+    lora = slot_lora(linears)
+    return None if lora is None else (*lora[:4], [a_at for _, a_at, _ in lora[4]])
 
 
 def eager_adapters_active() -> bool:
