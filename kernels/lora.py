@@ -17,7 +17,9 @@ A shrink program owns one tile, one projection and up to K_SPLIT of K; an expand
 the output columns. (Until 2026-11-28 one program did both, each recomputing its tile's shrink for its chunk:
 that doubled a LoRA step's cost over the projections'.) Decode steps of up to kernels.decode_linear.MAX_ROWS rows
 take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row tile for one row) and add the
-expand inside their projection's kernel.
+expand inside their projection's kernel. Up to ROW_SHRINK_MAX_ROWS rows the shrinks of the projections that read an
+RMSNorm's output come from that norm's kernel instead (_shrink_chunk, kernels/elementwise.py): lora_add_ takes them
+as `shrunk` and only expands.
 """
 import numpy as np
 import torch

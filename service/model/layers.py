@@ -7,9 +7,10 @@ kernels/elementwise.py instead. Training and the CPU keep the eager path, which 
 Fused projections (inference on CUDA, once `fuse` ran): projections of one input share one weight tensor (q, k and
 v; gate and up), the modules' own weights being views of its rows, so checkpoints, adapters and training still see
 the modules. Up to kernels.decode_linear.MAX_ROWS token rows (decode steps) run kernels/decode_linear.py: one
-launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expands inside (their shrinks in a
-launch before it, kernels.lora.lora_shrink); more rows run one cuBLAS GEMM per fused weight, the slots' updates
-added by kernels/lora.py.
+launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expands inside (their shrinks in the
+RMSNorm before q/k/v and gate-up, RMSNorm.add, or in a launch before o and down, kernels.lora.lora_shrink); more
+rows run one cuBLAS GEMM per fused weight, the slots' updates added by kernels/lora.py (up to
+kernels.lora.ROW_SHRINK_MAX_ROWS rows, q/k/v's and gate-up's shrinks from the norm there too).
 """
 import math
 
