@@ -12,8 +12,9 @@ launches of their own rides in the same program:
 - LoRA: the expand t B^T of the program's columns, for the tiles of kernels/lora.py (one adapter slot and its
   rows; at most MAX_ROWS rows, so a slot's rows are one tile, and a step has at most as many tiles as rows) side
   by side in one dot. The shrinks t = x A^T come from the RMSNorm that produced x (q/k/v, gate-up: `shrunk`) or
-  from kernels.lora.lora_shrink, launched just before (o, down): each row's once. (Recomputing them in every program of this kernel, as an earlier version did, cost more than the
-  projection itself: gate-up at 1 row 21 us against 8, at 16 rows 56.) Which rows use which slot (the tiles,
+  from kernels.lora.lora_shrink, launched just before (o, down): each row's once. (Recomputing them in every
+  program of this kernel, as an earlier version did, cost more than the projection itself: gate-up at 1 row 21 us
+  against 8, at 16 rows 56.) Which rows use which slot (the tiles,
   written before the step) and the tiles' B are read before the wait on the kernel before. Up to three
   projections of one input share the weight (q, k and v as one fused weight): the columns of projection p are
   [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
