@@ -7,22 +7,11 @@ import torch
 
 from kernels.decode_linear import decode_linear, decode_linear_ref
 from kernels.lora import lora_tiles, max_tiles
-from tests.helpers import rel_err
+from tests.helpers import random_slots, rel_err
 
 
 def _dtypes(device):
     return [torch.float16, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
-
-
-def _lora(parts_n, k, slots, rank, device, dtype, gen):
-    """Slot weights holding, per projection, A [rank, k] then B [n, rank]; random scales."""
-    parts, size = [], 0
-    for n in parts_n:
-        parts.append((n, size, size + rank * k))
-        size += rank * (k + n)
-    weights = (torch.randn(slots, size, generator=gen) * 0.3).to(device, dtype)
-    scales = (torch.rand(slots, generator=gen) + 0.5).to(device)
-    return weights, scales, parts
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -52,7 +41,7 @@ def test_lora_tiles_of_several_slots(device, rows, slots, silu):
     for dtype in _dtypes(device):
         gen = torch.Generator().manual_seed(rows * 10 + slots + silu)
         parts_n = [48, 48] if silu else [64, 32, 32]
-        lw, scales, parts = _lora(parts_n, k, 8, rank, device, dtype, gen)
+        lw, scales, parts = random_slots(parts_n, k, 8, rank, device, dtype, gen)
         x = torch.randn(rows, k, generator=gen).to(device, dtype)
         w = (torch.randn(sum(parts_n), k, generator=gen) / k ** 0.5).to(device, dtype)
         row_slots = np.arange(rows, dtype=np.int32) % slots
@@ -69,7 +58,7 @@ def test_lora_tiles_of_several_slots(device, rows, slots, silu):
 
 def test_refuses_projections_that_straddle_a_block(device):
     x, w = torch.randn(2, 32, device=device), torch.randn(72, 32, device=device)
-    lw, scales, parts = _lora([40, 32], 32, 1, 16, device, torch.float32, torch.Generator().manual_seed(0))
+    lw, scales, parts = random_slots([40, 32], 32, 1, 16, device, torch.float32, torch.Generator().manual_seed(0))
     tiles = torch.from_numpy(lora_tiles(np.zeros(2, dtype=np.int32), 2)).to(device)
     with pytest.raises(ValueError, match="tile"):
         decode_linear(x, w, lora=(lw, scales, tiles, 16, parts))
@@ -81,7 +70,7 @@ def test_partial_sums_over_k_add_up_to_the_projection(device, lora_rows):
     rows, k, n, rank = 3, 4200, 48, 16
     gen = torch.Generator().manual_seed(7)
     dtype = torch.float16
-    lw, scales, parts = _lora([n], k, 2, rank, device, dtype, gen)
+    lw, scales, parts = random_slots([n], k, 2, rank, device, dtype, gen)
     x = torch.randn(rows, k, generator=gen).to(device, dtype)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(device, dtype)
     row_slots = np.array([1, -1, 0][:rows], dtype=np.int32) if lora_rows else np.full(rows, -1, dtype=np.int32)

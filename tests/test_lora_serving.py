@@ -15,7 +15,7 @@ from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
 from service.model.lora import Adapter, LoRAConfig, add_adapter
 from service.protocol import SamplingParams
-from tests.helpers import rel_err
+from tests.helpers import random_slots, rel_err
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +83,7 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
     k, r = 200, 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
         gen = torch.Generator().manual_seed(rows + slots)
-        parts, size = [], 0
-        for n in widths:
-            parts.append((n, size, size + r * k))
-            size += r * (k + n)
-        weights = (torch.randn(slots, size, generator=gen) * 0.3).to(device, dtype)
-        scales = (torch.rand(slots, generator=gen) + 0.5).to(device)
+        weights, scales, parts = random_slots(widths, k, slots, r, device, dtype, gen)
         x, residual = (torch.randn(rows, k, generator=gen).to(device, dtype) for _ in range(2))
         norm_weight = torch.randn(k, generator=gen).to(device, dtype)
         row_slots = np.arange(rows, dtype=np.int32) % slots
