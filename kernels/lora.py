@@ -257,59 +257,40 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     return t
 
 
-def lora_tile_shrink(x: torch.Tensor, a_offsets: list[int], weights: torch.Tensor, tiles: torch.Tensor, rank: int,
-                     config: tuple | None = None) -> torch.Tensor:
-    """lora_add_'s first launch, on its own: the shrinks x A_p^T of the rows listed in tiles for up to three
-    projections (A_p at a_offsets[p] of each slot's row of weights), as float32 partial sums [splits, T, P * rank]
-    over ranges of K, for lora_add_'s `shrunk`. Launched before the projections' GEMM, it overlaps the kernel before
-    it (PDL) instead of waiting on the GEMM, which does not start its dependents early."""
-    rows, k = x.shape
-    if x.stride(1) != 1 or weights.stride(1) != 1 or not 1 <= len(a_offsets) <= 3:
-        raise ValueError("lora_tile_shrink needs x with unit column stride and one to three projections")
-    _, block_k, stages = config or CONFIG
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    k_split = triton.cdiv(K_SPLIT, block_k) * block_k
-    splits = triton.cdiv(k, k_split)
-    t = torch.empty(splits, rows, len(a_offsets) * rank, dtype=torch.float32, device=x.device)
-    if rows and tiles.shape[0]:
-        offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
-        _tile_shrink_kernel[(tiles.shape[0], len(a_offsets), splits)](
-            x, weights, tiles, t, x.stride(0), weights.stride(0), t.stride(0), t.stride(1), k, k_split, *offsets,
-            RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, DOT_PRECISION=_precision(x), num_warps=4,
-            num_stages=stages, **pdl_launch(x.device))
-    return t
-
-
-def _precision(x: torch.Tensor) -> str:
-    return "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as the model's own matmuls
-
-
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
               scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None,
               shrunk: torch.Tensor | None = None) -> None:
     """For up to three projections of one input x [T, K] (q, k and v, say): y [T, N] += scale_s * (x A_s^T) B_s^T
     for the rows of each slot s listed in tiles (lora_tiles, on the device), in place, in two launches (the
-    shrinks, lora_tile_shrink, then the expands). outputs: (y, offset of A, offset of B) per projection, A [rank, K]
-    and B [N, rank] at those offsets of each slot's row of weights [slots, size] (scales [slots]); y may be a column
-    slice of a wider tensor. config: (N_CHUNK, BLOCK_K, num_stages) instead of CONFIG. shrunk: the shrinks, already
-    computed (the expands only): lora_tile_shrink's partial sums, or scaled and rounded ([T, projections * rank], as
-    kernels.elementwise's norms give them)."""
-    rows, ys = x.shape[0], [y for y, _, _ in outputs]
+    shrinks, then the expands). outputs: (y, offset of A, offset of B) per projection, A [rank, K] and B [N, rank]
+    at those offsets of each slot's row of weights [slots, size] (scales [slots]); y may be a column slice of a
+    wider tensor. config: (N_CHUNK, BLOCK_K, num_stages) instead of CONFIG. shrunk: the shrinks, already computed
+    (scaled and rounded, [T, projections * rank], as kernels.elementwise's norms give them): the expands only."""
+    (rows, k), ys = x.shape, [y for y, _, _ in outputs]
     if x.stride(1) != 1 or weights.stride(1) != 1 or any(y.stride(1) != 1 for y in ys) or not 1 <= len(ys) <= 3:
         raise ValueError("lora_add_ needs one to three outputs, all with unit column strides")
     if rows == 0 or tiles.shape[0] == 0:
         return
     padded = outputs + [(ys[0][:, :0], 0, 0)] * (3 - len(outputs))
-    n_chunk, _, stages = config or CONFIG
+    n_chunk, block_k, stages = config or CONFIG
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as the model's own matmuls
     if shrunk is None:
-        shrunk = lora_tile_shrink(x, [a for _, a, _ in outputs], weights, tiles, rank, config)
-    splits, t = (shrunk.shape[0], shrunk) if shrunk.dim() == 3 else (0, shrunk[None])
+        k_split = triton.cdiv(K_SPLIT, block_k) * block_k
+        splits = triton.cdiv(k, k_split)
+        t = torch.empty(splits, rows, len(outputs) * rank, dtype=torch.float32, device=x.device)
+        _tile_shrink_kernel[(tiles.shape[0], len(outputs), splits)](
+            x, weights, tiles, t, x.stride(0), weights.stride(0), t.stride(0), t.stride(1), k, k_split,
+            *(a for _, a, _ in padded), RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, DOT_PRECISION=precision,
+            num_warps=4, num_stages=stages, **pdl_launch(x.device))
+    else:
+        splits, t = 0, shrunk[None]
     chunks = sum(triton.cdiv(y.shape[1], n_chunk) for y in ys)
     _expand_kernel[(tiles.shape[0], chunks)](
         t, weights, scales, tiles, *(y for y, _, _ in padded), t.stride(0), t.stride(1), weights.stride(0),
         *(y.stride(0) for y, _, _ in padded), *(y.shape[1] for y, _, _ in padded), *(b for _, _, b in padded),
-        SPLITS=splits, RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64, N_CHUNK=n_chunk, DOT_PRECISION=_precision(x),
-        num_warps=4, num_stages=stages, **pdl_launch(x.device))
+        SPLITS=splits, RANK=rank, BLOCK_M=BLOCK_M, BLOCK_N=64, N_CHUNK=n_chunk, DOT_PRECISION=precision, num_warps=4,
+        num_stages=stages, **pdl_launch(x.device))
 
 
 # (N_CHUNK, BLOCK_K, num_stages) of lora_add_. Timed with the slots' weights read from HBM (benchmarks/

@@ -212,11 +212,6 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
     if x.shape[0] <= MAX_ROWS:
         return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials,
                              shrunk=shrunk)
-    lora = slot_lora(linears) if shrunk is None else None
-    if lora is not None:  # the shrinks before the GEMM: launched while the kernel before ends (PDL), not after it
-        from kernels.lora import lora_tile_shrink
-        weights, _, tiles, rank, lora_parts = lora
-        shrunk = lora_tile_shrink(x, [a_at for _, a_at, _ in lora_parts], weights, tiles, rank)
     y = F.linear(x, weight, bias)
     parts = y.split([linear.out_features for linear in linears], dim=1)
     add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
