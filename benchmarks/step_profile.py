@@ -9,9 +9,10 @@ Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes,
 launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
 512-token context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside
 the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations
-against cuBLAS on each projection of both shapes at 1 and 16 rows; --sections lora: kernels/lora.py's (the LoRA
-updates of larger steps) at 64 and 256 rows over 8 adapters; --sections decode_lora: decode_linear with its rows'
-LoRA slots against without, each projection of the Qwen2.5-0.5B shape at 1 and 16 rows.
+against cuBLAS on each projection of both shapes at 1, 16 and 64 rows (the model takes it up to 16); --sections
+lora: kernels/lora.py's (the LoRA updates of larger steps) at 64 and 256 rows over 8 adapters; --sections
+decode_lora: decode_linear with its rows' LoRA slots against without, each projection of the Qwen2.5-0.5B shape at
+1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there).
 
 python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora,decode_lora] [--out DIR]
 
@@ -248,6 +249,8 @@ LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256,
     (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1)]
 SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)] + [
     (32, 256, 4, 3, s) for s in (2, 4)]
+LINEAR_ROWS = (1, 16, 64)  # decode_linear is the model's up to 16 rows; 64 tells whether it could take more
+DECODE_LORA_ROWS = ((1, (0, 1)), (16, (0, 1, 8)), (64, (0, 1, 8)))  # (rows, distinct adapters timed)
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
 
@@ -259,7 +262,7 @@ def hbm_copies(*shape: int, cap: int = 256) -> list[torch.Tensor]:
 
 
 def sweep_linear() -> list[dict]:
-    """Each projection of both shapes (q/k/v and gate/up fused) at 1 and 16 rows: cuBLAS (plus the separate SwiGLU
+    """Each projection of both shapes (q/k/v and gate/up fused) at LINEAR_ROWS: cuBLAS (plus the separate SwiGLU
     kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell.
     Consecutive calls read different copies of the weight, more bytes than L2 holds: in a decode step every
     projection's weight comes from HBM (one projection timed on one weight would find it in L2)."""
@@ -275,7 +278,7 @@ def sweep_linear() -> list[dict]:
                                    "gate_up": (2 * inter, h, True), "down": (h, inter, False)}.items():
             ws = hbm_copies(n, k)
             copies = len(ws)
-            for m in (1, 16):
+            for m in LINEAR_ROWS:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
                 if silu:
                     def cublas(i):
@@ -326,8 +329,9 @@ def lora_cases(shape: dict, rank: int) -> dict:
 
 def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
     """kernels/decode_linear.py with the rows' LoRA slots inside against without, each projection group of the
-    Qwen2.5-0.5B shape: 1 row (no adapter, one), 16 rows (none, one, 8 distinct); weights and slots read from HBM
-    as in a step, the calls chained in a graph with PDL as a step's are."""
+    Qwen2.5-0.5B shape: 1 row (no adapter, one), 16 and 64 rows (none, one, 8 distinct; 64 rows beside
+    sweep_lora's cuBLAS + lora_add_ at 64); weights and slots read from HBM as in a step, the calls chained in a
+    graph with PDL as a step's are."""
     import numpy as np
 
     from kernels.decode_linear import decode_linear
@@ -337,7 +341,7 @@ def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
     for proj, (k, widths, silu, partials, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
         ws, lws = hbm_copies(sum(widths), k), hbm_copies(slots, size)
         scales = torch.full((slots,), 2.0, device="cuda")
-        for m, counts in ((1, (0, 1)), (16, (0, 1, 8))):
+        for m, counts in DECODE_LORA_ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             row = {"proj": proj, "rows": m}
             for count in counts:

@@ -10,14 +10,17 @@ launches of their own rides in the same program:
 - SILU_MUL: W holds gate rows [0, N) then up rows [N, 2N) (the fused gate-up weight); a program computes both
   slices of its columns and writes silu(gate) * up;
 - LoRA: the expand t B^T of the program's columns, for the tiles of kernels/lora.py (one adapter slot and its
-  rows; at most MAX_ROWS rows, so a slot's rows are one tile, and a step has at most as many tiles as rows) side
-  by side in one dot. The shrinks t = x A^T come from the RMSNorm that produced x (q/k/v, gate-up: `shrunk`) or
-  from kernels.lora.lora_shrink, launched just before (o, down): each row's once. (Recomputing them in every
-  program of this kernel, as an earlier version did, cost more than the projection itself: gate-up at 1 row 21 us
-  against 8, at 16 rows 56.) Which rows use which slot (the tiles,
-  written before the step) and the tiles' B are read before the wait on the kernel before. Up to three
-  projections of one input share the weight (q, k and v as one fused weight): the columns of projection p are
-  [N_0 + .. + N_{p-1}, + N_p), each with its own A and B in the slots.
+  rows; up to MAX_ROWS rows a slot's rows are one tile, and a step has at most as many tiles as rows) side by
+  side in one dot; a row keeps its own tile's columns. The shrinks t = x A^T come from the RMSNorm that produced
+  x (q/k/v, gate-up: `shrunk`) or from kernels.lora.lora_shrink, launched just before (o, down): each row's once.
+  (Recomputing them in every program of this kernel, as an earlier version did, cost more than the projection
+  itself: gate-up at 1 row 21 us against 8, at 16 rows 56.) Which rows use which slot (the tiles, written before
+  the step) and the tiles' B are read before the wait on the kernel before. Up to three projections of one input
+  share the weight (q, k and v as one fused weight): the columns of projection p are [N_0 + .. + N_{p-1}, + N_p),
+  each with its own A and B in the slots.
+
+The model runs it up to MAX_ROWS rows; the kernel takes up to KERNEL_ROWS, for benchmarks/step_profile.py to time it
+against cuBLAS (and against cuBLAS + kernels/lora.py with adapters) at 64 rows before a step of that size uses it.
 
 Math in float32; the base projection and each LoRA intermediate rounded to the output dtype as the unfused layers
 round them. The reference is decode_linear_ref.
@@ -28,9 +31,10 @@ import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import BLOCK_M as TILE_ROWS
-from kernels.lora import lora_shrink
+from kernels.lora import lora_shrink, used_tiles
 
-MAX_ROWS = 16  # tl.dot's smallest M; larger batches go to cuBLAS
+MAX_ROWS = 16  # tl.dot's smallest M: the model's steps of more rows go to cuBLAS
+KERNEL_ROWS = 64  # the kernel itself takes up to this many rows (benchmarks/step_profile.py times it against cuBLAS)
 
 
 @triton.jit
@@ -140,7 +144,7 @@ def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, i
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                   lora: tuple | None = None, partials: bool = False, config=None,
                   shrunk: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= MAX_ROWS, K] (unit column stride) -> x weight^T (+ bias) [M, N]; silu_mul: weight [2N, K] holds
+    """x [M <= KERNEL_ROWS, K] (unit column stride) -> x weight^T (+ bias) [M, N]; silu_mul: weight [2N, K] holds
     gate then up, the result is silu(x gate^T) * (x up^T) [M, N].
 
     lora: (slot weights [slots, size], scales [slots], tiles [num_tiles, 1 + TILE_ROWS] (kernels.lora.lora_tiles:
@@ -154,8 +158,8 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     [M, projections * rank]), instead of a lora_shrink launch."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if rows > MAX_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
-        raise ValueError(f"decode_linear needs x [<= {MAX_ROWS}, K] with unit column stride and a contiguous "
+    if rows > KERNEL_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
+        raise ValueError(f"decode_linear needs x [<= {KERNEL_ROWS}, K] with unit column stride and a contiguous "
                          f"weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
     if partials and silu_mul:
         raise ValueError("the SwiGLU gate needs whole sums: no partials with silu_mul")
@@ -176,8 +180,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         straddles = not silu_mul and any(p[0] % block_n for p in parts[:-1])
         if sum(p[0] for p in parts) != n * (2 if silu_mul else 1) or straddles:
             raise ValueError(f"LoRA projections {[p[0] for p in parts]} must tile the {n} columns by {block_n}")
-    # Used tiles come first and a slot's rows (<= MAX_ROWS) are one tile: no more tiles than rows, or slots.
-    num_tiles = 0 if lora is None else min(tiles.shape[0], rows, lw.shape[0])
+    num_tiles = 0 if lora is None else used_tiles(tiles, rows, lw.shape[0])
     t = y
     if num_tiles:  # each row's shrinks once, in a kernel of their own, rather than in every program of this one
         t = shrunk if shrunk is not None else lora_shrink(x, lw, scales, tiles, rank, [p[1] for p in parts],
@@ -189,7 +192,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             lw, lw.stride(0), tiles, t, t.stride(0), parts[0][0], parts[1][0], *(p[2] for p in parts),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
-            BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
+            BLOCK_M=max(MAX_ROWS, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))
     return y

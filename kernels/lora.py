@@ -47,6 +47,12 @@ def max_tiles(rows: int, slots: int) -> int:
     return -(-rows // BLOCK_M) + slots
 
 
+def used_tiles(tiles: torch.Tensor, rows: int, slots: int) -> int:
+    """How many of the first tiles a step of `rows` rows over `slots` slots can use (lora_tiles puts them first):
+    each holds one row at least; up to BLOCK_M rows a slot's rows are one tile."""
+    return min(tiles.shape[0], rows, slots if rows <= BLOCK_M else max_tiles(rows, slots))
+
+
 def lora_tiles(row_slots: np.ndarray, num_tiles: int) -> np.ndarray:
     """int32 [num_tiles, 1 + BLOCK_M]: each tile's slot (-1: an empty tile), then its rows (-1: padding). The rows of
     one slot, in order, fill consecutive tiles. row_slots: each row's slot, -1 for none."""
@@ -196,7 +202,7 @@ def shrink_chunks_args(x: torch.Tensor, lora: tuple | None) -> tuple[torch.Tenso
                              NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1)
     weights, scales, tiles, rank, a_offsets = lora
     t = torch.empty(rows, len(a_offsets) * rank, dtype=x.dtype, device=x.device)
-    num_tiles = min(tiles.shape[0], rows, max_tiles(rows, weights.shape[0]))  # used tiles come first
+    num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     rank_chunk = max(1, min(rank, 8192 // triton.next_power_of_2(k)))  # a chunk of A: 64 registers a thread
     return t, len(a_offsets) * rank // rank_chunk, dict(

@@ -14,7 +14,7 @@ def _dtypes(device):
     return [torch.float16, torch.bfloat16] if device == "cuda" else [torch.float32, torch.float16]
 
 
-@pytest.mark.parametrize("rows", [1, 5, 16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 33])
 @pytest.mark.parametrize("k,n,bias", [(96, 80, True), (200, 64, False)])
 def test_plain_and_bias(device, rows, k, n, bias):
     for dtype in _dtypes(device):
@@ -33,15 +33,16 @@ def test_reads_rows_of_a_strided_view_and_a_large_k(device):
     assert rel_err(decode_linear(x, w), decode_linear_ref(x, w)) < 1e-5
 
 
-@pytest.mark.parametrize("rows,slots", [(1, 1), (7, 3), (16, 8)])
+@pytest.mark.parametrize("rows,slots", [(1, 1), (7, 3), (16, 8), (40, 2), (64, 8)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_lora_tiles_of_several_slots(device, rows, slots, silu):
-    """Rows spread over `slots` adapters, one row with none; three projections (q, k, v) or gate and up."""
+    """Rows spread over `slots` adapters, one row with none; three projections (q, k, v) or gate and up. Past 16
+    rows (the kernel takes up to KERNEL_ROWS) a slot's rows fill several tiles."""
     k, rank = 72, 16
     for dtype in _dtypes(device):
         gen = torch.Generator().manual_seed(rows * 10 + slots + silu)
         parts_n = [48, 48] if silu else [64, 32, 32]
-        lw, scales, parts = random_slots(parts_n, k, 8, rank, device, dtype, gen)
+        lw, scales, parts = random_slots(parts_n, k, slots, rank, device, dtype, gen)
         x = torch.randn(rows, k, generator=gen).to(device, dtype)
         w = (torch.randn(sum(parts_n), k, generator=gen) / k ** 0.5).to(device, dtype)
         row_slots = np.arange(rows, dtype=np.int32) % slots

@@ -164,10 +164,13 @@ def compiled(case: str, *args) -> str:
 
 
 @pytest.mark.parametrize("rows,silu_mul,partials,tiles", [
-    (1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1), (16, True, False, 8)])
+    (1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1), (16, True, False, 8),
+    (64, True, False, 8), (64, False, True, 8)])
 def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partials, tiles):
-    """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums."""
-    assert "mma" in compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
+    """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums. At
+    64 rows (KERNEL_ROWS, what step_profile times) the tiles stay in registers too."""
+    ptx = compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
+    assert "mma" in ptx and "ld.local" not in ptx
 
 
 @pytest.mark.parametrize("rows,k,parts", [(1, 896, 3), (16, 4864, 1)])

@@ -11,11 +11,12 @@ from tests.helpers import rel_err
 
 
 def test_every_swept_decode_linear_configuration_computes_the_projection():
-    x, w = torch.randn(3, 96), torch.randn(64, 96) / 10
-    want = decode_linear_ref(x, w)
-    for cfg in step_profile.LINEAR_CONFIGS + step_profile.SPLIT_CONFIGS:
-        out = decode_linear(x, w, config=cfg, partials=cfg[-1] > 1)
-        assert rel_err(out.sum(0) if out.dim() == 3 else out, want) < 1e-5, cfg
+    for rows in (3, max(step_profile.LINEAR_ROWS)):
+        x, w = torch.randn(rows, 96), torch.randn(64, 96) / 10
+        want = decode_linear_ref(x, w)
+        for cfg in step_profile.LINEAR_CONFIGS + step_profile.SPLIT_CONFIGS:
+            out = decode_linear(x, w, config=cfg, partials=cfg[-1] > 1)
+            assert rel_err(out.sum(0) if out.dim() == 3 else out, want) < 1e-5, (rows, cfg)
 
 
 def test_every_swept_lora_configuration_adds_the_updates():
@@ -43,12 +44,13 @@ def test_every_lora_case_is_a_valid_decode_linear_call():
     decode_linear with one adapter matches its reference."""
     shape = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1}
     rank, slots = 16, 2
-    for proj, (k, widths, silu, partials, parts, size) in step_profile.lora_cases(shape, rank).items():
-        gen = torch.Generator().manual_seed(len(proj))
-        x, w = torch.randn(3, k, generator=gen), torch.randn(sum(widths), k, generator=gen) / k ** 0.5
-        lw, scales = torch.randn(slots, size, generator=gen) / 4, torch.rand(slots, generator=gen) + 0.5
-        row_slots = np.array([0, -1, 1], dtype=np.int32)
-        lora = (lw, scales, torch.from_numpy(lora_tiles(row_slots, max_tiles(3, slots))), rank, parts)
-        out = decode_linear(x, w, silu_mul=silu, lora=lora, partials=partials)
-        ref = decode_linear_ref(x, w, silu_mul=silu, lora=lora, row_slots=torch.from_numpy(row_slots))
-        assert rel_err(out.sum(0) if partials else out, ref) < 1e-5, proj
+    for rows in (3, max(m for m, _ in step_profile.DECODE_LORA_ROWS)):
+        for proj, (k, widths, silu, partials, parts, size) in step_profile.lora_cases(shape, rank).items():
+            gen = torch.Generator().manual_seed(len(proj))
+            x, w = torch.randn(rows, k, generator=gen), torch.randn(sum(widths), k, generator=gen) / k ** 0.5
+            lw, scales = torch.randn(slots, size, generator=gen) / 4, torch.rand(slots, generator=gen) + 0.5
+            row_slots = np.arange(rows, dtype=np.int32) % (slots + 1) - 1
+            lora = (lw, scales, torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))), rank, parts)
+            out = decode_linear(x, w, silu_mul=silu, lora=lora, partials=partials)
+            ref = decode_linear_ref(x, w, silu_mul=silu, lora=lora, row_slots=torch.from_numpy(row_slots))
+            assert rel_err(out.sum(0) if partials else out, ref) < 1e-5, (rows, proj)
