@@ -44,13 +44,21 @@ def _normed_row(x, w_ptr, cols, ok, n_cols, eps, dtype: tl.constexpr):
     return normed.to(dtype).to(tl.float32) * w
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple | None = None):
-    """x [..., dim] -> RMSNorm(x) * weight, like x.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., dim] -> RMSNorm(x) * weight, like x."""
+    return _rms_norm(x, weight, eps, None)[0]
 
-    shrinks (x [rows, dim]): (slot weights, scales, tiles, rank, A offsets of up to three projections) of the
-    projections that read the result: the same launch also computes their LoRA shrinks, scaled and rounded (each
-    row's in a few programs that normalize it again, kernels.lora._shrink_chunk: a launch less). Returns (result,
-    t [rows, projections * rank]) then."""
+
+def rms_norm_shrinks(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     shrinks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm of x [rows, dim] whose launch also computes the LoRA shrinks of the projections that read the result,
+    scaled and rounded (each row's in a few programs that normalize it again, kernels.lora._shrink_chunk: a launch
+    less). shrinks: (slot weights, scales, tiles, rank, A offsets of up to three projections). Returns (result,
+    t [rows, projections * rank])."""
+    return _rms_norm(x, weight, eps, shrinks)
+
+
+def _rms_norm(x, weight, eps, shrinks):
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
@@ -61,7 +69,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple |
         _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
                                                   BLOCK=triton.next_power_of_2(dim),
                                                   num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
-    return out.view(x.shape) if shrinks is None else (out, t)
+    return out.view(x.shape), t
 
 
 @triton.jit
@@ -115,7 +123,7 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def add_rms_norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                          shrinks: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm's) of the projections that read the
+    """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm_shrinks') of the projections that read the
     result, and writes the new residual to a new tensor (several programs read each row of the old one). Returns
     (result, new residual, t)."""
     new_residual = torch.empty_like(residual)

@@ -32,7 +32,8 @@ BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # Up to this many rows, the RMSNorm before a projection group computes the rows' shrinks for it (_shrink_chunk: a
 # launch less); each row reads its slot's A alone there, and normalizes again in each program of a chunk of it, so
 # more rows share each A read over a tile of rows in lora_add_'s tile shrink instead. (H200, Qwen2.5-0.5B shape, 8
-# adapters over all rows: the LoRA graph at 64 rows 1.46x the base with it, 1.54x without; at 256 1.56x, 1.48x.)
+# adapters over all rows, the LoRA graph against the base: with it 1.46x at 64 rows and 1.56x at 256; without it,
+# at 206b168, 1.54x and 1.48x.)
 ROW_SHRINK_MAX_ROWS = 64
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 
@@ -279,9 +280,9 @@ def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], wei
         return
     padded = outputs + [(ys[0][:, :0], 0, 0)] * (3 - len(outputs))
     n_chunk, block_k, stages = config or CONFIG
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # float32 exact, as the model's own matmuls
     if shrunk is None:
+        block_k = min(block_k, max(16, triton.next_power_of_2(k)))
         k_split = triton.cdiv(K_SPLIT, block_k) * block_k
         splits = triton.cdiv(k, k_split)
         t = torch.empty(splits, rows, len(outputs) * rank, dtype=torch.float32, device=x.device)

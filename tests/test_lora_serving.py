@@ -78,7 +78,7 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
     shrinks x A^T of its slot rounded as lora_add_ref rounds them; the projections' kernels take them (decode_linear
     up to its rows, lora_add_'s expand past them) and give what their reference gives."""
     from kernels.decode_linear import MAX_ROWS, decode_linear, decode_linear_ref
-    from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm
+    from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm, rms_norm_shrinks
 
     k, r = 200, 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
@@ -98,7 +98,7 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             assert torch.equal(new_residual, total) and torch.equal(residual, before)
         else:
             plain = rms_norm(x, norm_weight, 1e-6)
-            h, t = rms_norm(x, norm_weight, 1e-6, shrinks=shrinks)
+            h, t = rms_norm_shrinks(x, norm_weight, 1e-6, shrinks)
         assert torch.equal(h, plain)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         for row in np.flatnonzero(row_slots >= 0):

@@ -137,8 +137,8 @@ def lora_ptx(kernel: str) -> str:
 
 
 def norm_launched(add: bool, rows: int, k: int, parts: int) -> str:
-    """kernels.elementwise's rms_norm (add_rms_norm_ where `add`) of `rows` bf16 rows, K = k, computing the
-    shrinks of `parts` projections of rank 16 over 8 slots."""
+    """kernels.elementwise's rms_norm_shrinks (add_rms_norm_shrinks where `add`) of `rows` bf16 rows, K = k,
+    computing the shrinks of `parts` projections of rank 16 over 8 slots."""
     import numpy as np
     import torch
 
@@ -152,7 +152,7 @@ def norm_launched(add: bool, rows: int, k: int, parts: int) -> str:
     if add:
         return launched_ptx(module, "_add_rms_norm_kernel", lambda: module.add_rms_norm_shrinks(
             x.clone(), x.clone(), w, 1e-6, shrinks), PDL=True)
-    return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm(x, w, 1e-6, shrinks=shrinks), PDL=True)
+    return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm_shrinks(x, w, 1e-6, shrinks), PDL=True)
 
 
 def compiled(case: str, *args) -> str:

@@ -62,7 +62,7 @@ class RMSNorm(nn.Module):
         computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
         tensor)."""
         if fused:
-            from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm
+            from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm_shrinks
             from kernels.lora import ROW_SHRINK_MAX_ROWS
 
             shrinks = shrinks if residual.shape[0] <= ROW_SHRINK_MAX_ROWS else None
@@ -70,7 +70,7 @@ class RMSNorm(nn.Module):
                 norm = self(residual) if x is None else add_rms_norm_(x, residual, self.weight, self.eps)
                 return norm, residual, None
             if x is None:
-                norm, shrunk = rms_norm(residual, self.weight, self.eps, shrinks=shrinks)
+                norm, shrunk = rms_norm_shrinks(residual, self.weight, self.eps, shrinks)
                 return norm, residual, shrunk
             return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks)
         if x is not None:
