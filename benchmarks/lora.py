@@ -12,6 +12,9 @@ projections, random weights), two numbers per cell:
   otherwise), CUDA events around 50 back-to-back replays;
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
   the adapters loaded into their slots beforehand.
+At batch 64 with adapters also `variants`: the graph_ms of the same graph captured again with kernels/lora.py's
+switches set otherwise (VARIANTS): every update added after the GEMMs by kernels.lora.lora_add_, as steps of 17-64
+rows ran before the slots' columns; and the columns for q/k/v and gate-up only (o and down after their GEMMs).
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 
@@ -37,6 +40,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
 from benchmarks.timing import replay_kernel_us, replay_ms  # noqa: E402
+from kernels.decode_linear import MAX_ROWS  # noqa: E402
+from kernels.lora import COLUMNS_MAX_ROWS  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -47,6 +52,8 @@ SERVED_ADAPTERS, SERVED_SHARES = 8, (0.0, 0.05, 0.5)
 # Per phase: closed-loop streams, prompt and generated tokens, then seconds of warm-up, measuring window and drain.
 SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup": 3.0, "seconds": 12.0, "drain": 10.0},
           "cpu": {"streams": 4, "prompt_len": 16, "new_tokens": 16, "warmup": 1.0, "seconds": 3.0, "drain": 20.0}}
+# Graphs captured again with kernels/lora.py's switches set otherwise, for the steps of 17-64 rows (see the doc).
+VARIANTS = {"updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False}}
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 
 
@@ -102,6 +109,21 @@ def decode_graph(runner, batch: int, adapters: int):
     return graph
 
 
+def variant_graph(runner, batch: int, switches: dict):
+    """The LoRA decode graph that holds `batch` rows, captured again with kernels/lora.py's `switches` set."""
+    import kernels.lora
+
+    key = next(bs for bs in runner.graphs if bs >= batch)
+    saved = {name: getattr(kernels.lora, name) for name in switches}
+    for name, value in switches.items():
+        setattr(kernels.lora, name, value)
+    try:
+        return runner._capture(runner._decode_forward(key), lora_rows=key)[0]
+    finally:
+        for name, value in saved.items():
+            setattr(kernels.lora, name, value)
+
+
 def step_ms(engine, steps: int) -> float:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
@@ -127,6 +149,9 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
                 row["graph_ms"] = replay_ms(graph)
                 if batch == 1:  # where the adapters' time goes
                     row["kernel_us"] = replay_kernel_us(graph)
+                if count and MAX_ROWS < batch <= COLUMNS_MAX_ROWS:
+                    row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, switches))
+                                       for name, switches in VARIANTS.items()}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:  # against the same batch without adapters
@@ -134,6 +159,8 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
         for k in ("step_ms", "graph_ms"):
             if row.get(k) is not None:
                 row[f"{k[:-3]}_x"] = row[k] / base[k]
+        if "variants" in row:
+            row["variants_x"] = {name: ms / base["graph_ms"] for name, ms in row["variants"].items()}
     return rows
 
 
@@ -313,6 +340,10 @@ def decode(args, device: str, commit: str) -> dict:
     for r in rows:
         graph = f"{r['graph_ms']:9.3f} {r['graph_x']:7.2f}" if r.get("graph_ms") else f"{'-':>9} {'-':>7}"
         print(f"{r['batch']:>6} {r['adapters']:>9} {r['step_ms']:9.3f} {r['step_x']:7.2f} {graph}")
+    for r in rows:
+        for name, ms in r.get("variants", {}).items():
+            print(f"batch {r['batch']}, {r['adapters']} adapters, {name}: graph {ms:.3f} ms = "
+                  f"{r['variants_x'][name]:.2f}x base")
     for r in rows:
         if "kernel_us" in r:
             print(f"batch 1, {r['adapters']} adapters, GPU us per replay by kernel:", json.dumps(

@@ -38,7 +38,7 @@ KERNEL_ROWS = 64  # the kernel itself takes up to this many rows (benchmarks/ste
 
 
 @triton.jit
-def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
+def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, K_SPLIT,
                           LW, stride_lw, TILES, T, stride_t, N0, N1, B0, B1, B2,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
                           TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr,
@@ -54,13 +54,13 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
     # over only 896 columns), with no reduction kernel.
     k_lo = tl.program_id(1) * K_SPLIT
     k_hi = tl.minimum(K, k_lo + K_SPLIT)
-    w_rows = W + n[:, None].to(tl.int64) * K
+    w_rows = W + n[:, None].to(tl.int64) * stride_w
     # The first weight tile is read before waiting on the previous kernel (weights are never written by a step).
     k = k_lo + tl.arange(0, BLOCK_K)
     k_ok = k[None, :] < k_hi
     w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
     if SILU_MUL:
-        w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+        w_up = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
     if NUM_TILES > 0:
         # LoRA, as one dot over the tiles side by side: column c of the wide intermediate is rank c % RANK of tile
         # c // RANK, and a row keeps only its own tile's columns. Which projection this program's columns belong to
@@ -107,7 +107,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_y, M, N, K, K_SPLIT,
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if SILU_MUL:
-            w_up = tl.load(w_rows + N * K + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
+            w_up = tl.load(w_rows + N * stride_w + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
             acc_up += tl.dot(x, tl.trans(w_up), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         if tl.program_id(1) == 0:
@@ -144,8 +144,9 @@ def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, i
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
                   lora: tuple | None = None, partials: bool = False, config=None,
                   shrunk: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M <= KERNEL_ROWS, K] (unit column stride) -> x weight^T (+ bias) [M, N]; silu_mul: weight [2N, K] holds
-    gate then up, the result is silu(x gate^T) * (x up^T) [M, N].
+    """x [M <= KERNEL_ROWS, K] -> x weight^T (+ bias) [M, N] (x and weight with unit column strides: the weight may be
+    the first K columns of a wider one, service/model/lora.py's); silu_mul: weight [2N, K] holds gate then up, the
+    result is silu(x gate^T) * (x up^T) [M, N].
 
     lora: (slot weights [slots, size], scales [slots], tiles [num_tiles, 1 + TILE_ROWS] (kernels.lora.lora_tiles:
     rows < M), rank, [(N_p, A offset, B offset)] per projection (up to three, their N_p summing to N; with
@@ -158,9 +159,9 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     [M, projections * rank]), instead of a lora_shrink launch."""
     rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if rows > KERNEL_ROWS or x.stride(1) != 1 or not weight.is_contiguous() or weight.shape[1] != k:
-        raise ValueError(f"decode_linear needs x [<= {KERNEL_ROWS}, K] with unit column stride and a contiguous "
-                         f"weight [N, K], got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if rows > KERNEL_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
+        raise ValueError(f"decode_linear needs x [<= {KERNEL_ROWS}, K] and a weight [N, K], both with unit column "
+                         f"stride, got {tuple(x.shape)}, {tuple(weight.shape)}")
     if partials and silu_mul:
         raise ValueError("the SwiGLU gate needs whole sums: no partials with silu_mul")
     block_n, block_k, warps, stages, splits = config or _config(n, k, silu_mul, partials)
@@ -188,7 +189,7 @@ def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
     if rows:
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
-            x, weight, bias if bias is not None else weight, y, x.stride(0), n, rows, n, k, k_split,
+            x, weight, bias if bias is not None else weight, y, x.stride(0), weight.stride(0), n, rows, n, k, k_split,
             lw, lw.stride(0), tiles, t, t.stride(0), parts[0][0], parts[1][0], *(p[2] for p in parts),
             HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,

@@ -14,14 +14,17 @@ from kernels.lora import _shrink_chunk, _shrink_store, shrink_chunks_args
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
                      LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1, A2, BLOCK: tl.constexpr,
                      SHRINKS: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr,
-                     TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                     TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                     SLOTS_PADDED: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     live = chunk == 0
     if SHRINKS:  # program (row, chunk): a chunk of the row's LoRA shrinks (kernels.lora), A read before the wait
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
-                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK)
-        live = live | (slot >= 0)  # the other chunks of a row of no slot do nothing
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
+        live = live | (slot >= 0)  # the other chunks of a row of no slot do nothing,
+        if SLOTS > 0:  # but write its zeros in the columns layout
+            live = chunk >= 0
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -32,7 +35,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
         if chunk == 0:
             tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
         if SHRINKS:
-            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t)
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
 
 
 @triton.jit
@@ -49,27 +52,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _rms_norm(x, weight, eps, None)[0]
 
 
-def rms_norm_shrinks(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                     shrinks: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_shrinks(x: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple,
+                     columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """rms_norm of x [rows, dim] whose launch also computes the LoRA shrinks of the projections that read the result,
     scaled and rounded (each row's in a few programs that normalize it again, kernels.lora._shrink_chunk: a launch
     less). shrinks: (slot weights, scales, tiles, rank, A offsets of up to three projections). Returns (result,
-    t [rows, projections * rank])."""
-    return _rms_norm(x, weight, eps, shrinks)
+    t [rows, projections * rank]); columns: t is [result | shrinks] in kernels.lora's columns layout, and the result
+    a view of it."""
+    return _rms_norm(x, weight, eps, shrinks, columns)
 
 
-def _rms_norm(x, weight, eps, shrinks):
+def _rms_norm(x, weight, eps, shrinks, columns=False):
     dim = x.shape[-1]
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    t, chunks, lora = shrink_chunks_args(out, shrinks)
+    out, t, chunks, lora = shrink_chunks_args(rows, shrinks, columns)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
                                                   BLOCK=triton.next_power_of_2(dim),
                                                   num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
-    return out.view(x.shape), t
+    return (out if columns else out.view(x.shape)), t
 
 
 @triton.jit
@@ -87,14 +90,17 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
                          stride_res_out, stride_out, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1,
                          A2, SPLITS: tl.constexpr, BLOCK: tl.constexpr, SHRINKS: tl.constexpr,
                          NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr,
-                         RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                         RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                         SLOTS_PADDED: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     live = chunk == 0
     if SHRINKS:  # as in _rms_norm_kernel (the new residual then goes to another tensor: chunks read the old one)
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
-                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK)
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
         live = live | (slot >= 0)
+        if SLOTS > 0:
+            live = chunk >= 0
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -111,7 +117,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
             tl.store(res_out_ptr + row * stride_res_out + cols, total, mask=ok)
             tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
         if SHRINKS:
-            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t)
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -121,24 +127,23 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return _add_rms_norm(x, residual, residual, weight, eps, None)[0]
 
 
-def add_rms_norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                         shrinks: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm_shrinks') of the projections that read the
-    result, and writes the new residual to a new tensor (several programs read each row of the old one). Returns
-    (result, new residual, t)."""
+def add_rms_norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple,
+                         columns: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm_shrinks', with its `columns`) of the
+    projections that read the result, and writes the new residual to a new tensor (several programs read each row
+    of the old one). Returns (result, new residual, t)."""
     new_residual = torch.empty_like(residual)
-    out, t = _add_rms_norm(x, residual, new_residual, weight, eps, shrinks)
+    out, t = _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns)
     return out, new_residual, t
 
 
-def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks):
+def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False):
     rows, dim = residual.shape
     splits = x.shape[0] if x.dim() == 3 else 1
     if x.shape[-2:] != residual.shape or x.stride(-1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual must be [rows, dim] with unit column stride, got {tuple(x.shape)}, "
                          f"{tuple(residual.shape)}")
-    out = torch.empty_like(residual)
-    t, chunks, lora = shrink_chunks_args(out, shrinks)
+    out, t, chunks, lora = shrink_chunks_args(residual, shrinks, columns)
     if rows:
         _add_rms_norm_kernel[(rows, chunks)](
             x, residual, new_residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2), residual.stride(0),

@@ -20,6 +20,13 @@ take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row 
 expand inside their projection's kernel. Up to ROW_SHRINK_MAX_ROWS rows the shrinks of the projections that read an
 RMSNorm's output come from that norm's kernel instead (_shrink_chunk, kernels/elementwise.py): lora_add_ takes them
 as `shrunk` and only expands.
+
+Columns: past kernels.decode_linear.MAX_ROWS and up to COLUMNS_MAX_ROWS rows no expand runs at all. Each
+projection group's weight carries every slot's B as extra columns (service/model/lora.py lays them out: projection
+p's B of slot s at columns K + (p * slots + s) * R, zeros in the other projections' rows), and the shrinks are
+written beside the input in the same order, each row's in its own slot's columns and zeros in the others' (the
+norms' and lora_shrink's `columns`): one GEMM over [x | shrinks] then adds every row's update, for the cost of
+reading projections * slots * R more columns of each weight row, and one launch for each of o and down.
 """
 import numpy as np
 import torch
@@ -35,6 +42,13 @@ BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # adapters over all rows, the LoRA graph against the base: with it 1.46x at 64 rows and 1.56x at 256; without it,
 # at 206b168, 1.54x and 1.48x.)
 ROW_SHRINK_MAX_ROWS = 64
+# Past kernels.decode_linear.MAX_ROWS rows and up to this many (at most ROW_SHRINK_MAX_ROWS: it takes the norms'
+# shrinks), the GEMM of a projection group adds its rows' LoRA updates, in the columns layout (module doc); 0 turns
+# that off, for benchmarks/lora.py to compare.
+COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
+# Whether o and down, whose input no norm produces, take the columns too (their shrinks from one lora_shrink launch
+# each, over all of K per row) or lora_add_'s two launches after their GEMM; benchmarks/lora.py times both.
+COLUMNS_SHRINK_LAUNCH = True
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 
 
@@ -166,12 +180,14 @@ def _row_slot(TILES, row, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, B
 
 @triton.jit
 def _shrink_chunk(W, stride_w, SCALES, TILES, row, chunk, cols, K, A0, A1, A2, NUM_TILES: tl.constexpr,
-                  TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr):
+                  TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr,
+                  SLOTS: tl.constexpr):
     """For a kernel whose programs (row, chunk) each hold one whole row of a projection group's input (an RMSNorm's
     output): the part of the row's shrinks program `chunk` computes, RANK_CHUNK ranks of one projection, read
     before its wait (the slots and the tiles are written before the step). Returns (the row's slot, -1: none; its
-    scale; A's rows [RANK_CHUNK, K] at columns cols, zeros without a slot; their columns in T). _shrink_store ends
-    it. (One program per row reading all of A took a dozen round trips to memory one after another: 11 us a norm.)"""
+    scale; A's rows [RANK_CHUNK, K] at columns cols, zeros without a slot; their columns in T, slot 0's in the
+    columns layout, SLOTS > 0). _shrink_store ends it. (One program per row reading all of A took a dozen round
+    trips to memory one after another: 11 us a norm.)"""
     slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, TILE_ROWS)
     part = chunk // (RANK // RANK_CHUNK)
     r = (chunk % (RANK // RANK_CHUNK)) * RANK_CHUNK + tl.arange(0, RANK_CHUNK)
@@ -181,86 +197,132 @@ def _shrink_chunk(W, stride_w, SCALES, TILES, row, chunk, cols, K, A0, A1, A2, N
     if slot >= 0:  # (a branch, not a mask: the mask of a bound known divisible lets the loads be vectors)
         w = W + slot.to(tl.int64) * stride_w + a_at
         a = tl.load(w + r[:, None] * K + cols[None, :], mask=cols[None, :] < K, other=0.0)
-    return slot, tl.load(SCALES + tl.maximum(slot, 0)), a, part * RANK + r
+    t_cols = part * RANK + r
+    if SLOTS > 0:  # the columns layout: each projection's columns hold every slot's ranks
+        t_cols = part * (SLOTS * RANK) + r
+    return slot, tl.load(SCALES + tl.maximum(slot, 0)), a, t_cols
 
 
 @triton.jit
-def _shrink_store(y, slot, scale, a, t_cols, T, row, stride_t):
+def _shrink_store(y, slot, scale, a, t_cols, T, row, stride_t, RANK: tl.constexpr, SLOTS: tl.constexpr,
+                  SLOTS_PADDED: tl.constexpr):
     """scale * y A^T for the chunk _shrink_chunk read (y: the row, float32, rounded as stored), rounded to T's dtype
-    as a dense LoRA layer's intermediate is, into the row's columns of T; nothing for a row of no slot."""
-    if slot >= 0:
+    as a dense LoRA layer's intermediate is, into the row's columns of T; nothing for a row of no slot. SLOTS > 0:
+    the columns layout (module doc), the other slots' columns (all, for a row of no slot) set to zero."""
+    if SLOTS > 0:
+        t = tl.sum(a.to(tl.float32) * y[None, :], 1) * scale  # zeros without a slot: A reads as zeros
+        _store_columns(T + row * stride_t, t_cols, t, slot, RANK, SLOTS, SLOTS_PADDED)
+    elif slot >= 0:
         t = tl.sum(a.to(tl.float32) * y[None, :], 1) * scale
         tl.store(T + row * stride_t + t_cols, t.to(T.dtype.element_ty))
 
 
-def shrink_chunks_args(x: torch.Tensor, lora: tuple | None) -> tuple[torch.Tensor | None, int, dict]:
-    """The launch of a kernel whose programs (row, chunk) run _shrink_chunk on the rows of x [rows, K] it
-    normalizes: (T, chunks per row, its arguments) for lora = (slot weights, scales, tiles, rank, A offsets of the
-    group's projections), or (None, 1, arguments that turn it off, x standing in for the unused pointers)."""
-    rows, k = x.shape
+@triton.jit
+def _store_columns(t_row, t_cols, t, slot, RANK: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PADDED: tl.constexpr):
+    """A row's shrink values t (float32, at slot 0's columns t_cols of the columns layout) into its slot's columns
+    of the row t_row, rounded; zeros into the same columns of every other slot."""
+    s = tl.arange(0, SLOTS_PADDED)[:, None]
+    values = tl.where(s == slot, t[None, :], 0.0)
+    tl.store(t_row + s * RANK + t_cols[None, :], values.to(t_row.dtype.element_ty), mask=s < SLOTS)
+
+
+def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
+                       columns: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int, dict]:
+    """The launch of a kernel whose programs (row, chunk) normalize rows [rows, K] like `like` into a new tensor and
+    run _shrink_chunk on them: (that tensor, T, chunks per row, its arguments) for lora = (slot weights, scales,
+    tiles, rank, A offsets of the group's projections), or (the tensor, None, 1, arguments that turn it off).
+    columns: the columns layout (module doc): T is [rows, K + projections * slots * rank], its first K columns the
+    normalized rows (the tensor returned first is that view of it), the others the shrinks."""
+    rows, k = like.shape
     if lora is None:
-        return None, 1, dict(LW=x, stride_lw=0, SCALES=x, TILES=x, T=x, stride_t=0, A0=0, A1=0, A2=0, SHRINKS=False,
-                             NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1)
+        out = torch.empty_like(like)
+        return out, None, 1, dict(LW=out, stride_lw=0, SCALES=out, TILES=out, T=out, stride_t=0, A0=0, A1=0, A2=0,
+                                  SHRINKS=False, NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16,
+                                  RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
     weights, scales, tiles, rank, a_offsets = lora
-    t = torch.empty(rows, len(a_offsets) * rank, dtype=x.dtype, device=x.device)
+    slots = weights.shape[0] if columns else 0
+    t = torch.empty(rows, (k if columns else 0) + len(a_offsets) * max(slots, 1) * rank, dtype=like.dtype,
+                    device=like.device)
+    out = t[:, :k] if columns else torch.empty_like(like)
     num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     rank_chunk = max(1, min(rank, 8192 // triton.next_power_of_2(k)))  # a chunk of A: 64 registers a thread
-    return t, len(a_offsets) * rank // rank_chunk, dict(
-        LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=t, stride_t=t.stride(0), A0=offsets[0],
-        A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
-        TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk)
+    return out, t, len(a_offsets) * rank // rank_chunk, dict(
+        LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=t[:, k:] if columns else t,
+        stride_t=t.stride(0), A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
+        TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk,
+        SLOTS=slots, SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)))
 
 
 @triton.jit
-def _shrink_kernel(X, W, SCALES, TILES, T, stride_x, stride_w, stride_t, K, A0, A1, A2,
+def _shrink_kernel(X, W, SCALES, TILES, T, XO, stride_x, stride_w, stride_t, K, A0, A1, A2,
                    NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PADDED: tl.constexpr,
+                   PDL: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
     r = tl.program_id(2) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
     # The row's slot, its scale and the first K block of A are read before the wait: the tiles and the slots are
     # written before the step, never by the kernel before this one.
     slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, BLOCK_M)
-    k_end = tl.where(slot >= 0, K, 0)  # a row of no slot reads nothing (a mask of one comparison: the interpreter
-    # does not take a scalar and a tensor combined with &)
+    # A row of no slot reads nothing (a mask of one comparison: the interpreter does not take a scalar and a tensor
+    # combined with &), but in the columns layout (SLOTS > 0) one program of each row copies it to XO, T's row.
+    a_end = tl.where(slot >= 0, K, 0)
+    copies = (part == 0) & (tl.program_id(2) == 0)
+    k_end = tl.where(copies, K, a_end) if SLOTS > 0 else a_end
     a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[:, None] * K
     k = tl.arange(0, BLOCK_K)
-    a = tl.load(a_rows + k[None, :], mask=k[None, :] < k_end, other=0.0)
+    a = tl.load(a_rows + k[None, :], mask=k[None, :] < a_end, other=0.0)
     scale = tl.load(SCALES + tl.maximum(slot, 0))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+    if SLOTS > 0:
+        if copies:
+            tl.store(XO + row * stride_t + k, x, mask=k < K)
     acc = a.to(tl.float32) * x.to(tl.float32)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):  # K past one block (BLOCK_K is all of it up to 8192)
         k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_rows + k[None, :], mask=k[None, :] < k_end, other=0.0)
+        a = tl.load(a_rows + k[None, :], mask=k[None, :] < a_end, other=0.0)
         x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+        if SLOTS > 0:
+            if copies:
+                tl.store(XO + row * stride_t + k, x, mask=k < K)
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
     t = tl.sum(acc, 1) * scale
-    tl.store(T + row * stride_t + part * RANK + r, t.to(T.dtype.element_ty), mask=r < tl.where(slot >= 0, RANK, 0))
+    if SLOTS > 0:
+        _store_columns(T + row * stride_t, part * (SLOTS * RANK) + r, t, slot, RANK, SLOTS, SLOTS_PADDED)
+    else:
+        tl.store(T + row * stride_t + part * RANK + r, t.to(T.dtype.element_ty),
+                 mask=r < tl.where(slot >= 0, RANK, 0))
 
 
 def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
-                a_offsets: list[int], num_tiles: int) -> torch.Tensor:
+                a_offsets: list[int], num_tiles: int, columns: bool = False) -> torch.Tensor:
     """The shrinks of a few rows (a decode step's), each computed once: t [T, P * rank] in x's dtype, for each row
     of a slot s (listed in the first num_tiles of tiles) and each projection p (A_s at a_offsets[p] of the slot's
     row of weights, up to three): scale_s * x A_s^T at columns [p * rank, + rank). A row in no tile is left unset.
     Each program reads one row's A over all of K for a few of its ranks with CUDA cores (one row of x is no
-    matrix for tl.dot), up to 8192 values of A: one round trip to memory, issued before the wait."""
+    matrix for tl.dot), up to 8192 values of A: one round trip to memory, issued before the wait.
+    columns: the columns layout (module doc), t [T, K + P * slots * rank] = [x | shrinks], every row set."""
     rows, k = x.shape
-    t = torch.empty(rows, len(a_offsets) * rank, dtype=x.dtype, device=x.device)
+    slots = weights.shape[0] if columns else 0
+    t = torch.empty(rows, (k if columns else 0) + len(a_offsets) * max(slots, 1) * rank, dtype=x.dtype,
+                    device=x.device)
     if rows == 0 or num_tiles == 0:
+        if columns:  # no row has a slot
+            t[:, :k], t[:, k:] = x, 0
         return t
     block_k = min(triton.next_power_of_2(k), 8192)
     rank_block = max(1, min(rank, 4096 // block_k))
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
-        x, weights, scales, tiles, t, x.stride(0), weights.stride(0), t.stride(0), k, *offsets,
-        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
-        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, num_warps=4, **pdl_launch(x.device))
+        x, weights, scales, tiles, t[:, k:] if columns else t, t, x.stride(0), weights.stride(0), t.stride(0), k,
+        *offsets, NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
+        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SLOTS=slots,
+        SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)), num_warps=4, **pdl_launch(x.device))
     return t
 
 

@@ -33,6 +33,15 @@ def test_reads_rows_of_a_strided_view_and_a_large_k(device):
     assert rel_err(decode_linear(x, w), decode_linear_ref(x, w)) < 1e-5
 
 
+@pytest.mark.parametrize("silu", [False, True])
+def test_reads_a_weight_that_is_the_first_columns_of_a_wider_one(device, silu):
+    """The fused weights carry the LoRA slots' columns beside K (service/model/lora.py): rows of K, further apart."""
+    x = torch.randn(5, 300, device=device)
+    wide = torch.randn(96, 300 + 136, device=device) / 17
+    w = wide[:, :300]
+    assert rel_err(decode_linear(x, w, silu_mul=silu), decode_linear_ref(x, w.contiguous(), silu_mul=silu)) < 1e-5
+
+
 @pytest.mark.parametrize("rows,slots", [(1, 1), (7, 3), (16, 8), (40, 2), (64, 8)])
 @pytest.mark.parametrize("silu", [False, True])
 def test_lora_tiles_of_several_slots(device, rows, slots, silu):

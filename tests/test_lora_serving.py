@@ -9,7 +9,7 @@ import torch
 from test_engine import GREEDY, assert_no_leaks, make_llm
 from tiny_models import make_tiny_model
 
-from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles, slot_rank
+from kernels.lora import lora_add_, lora_add_ref, lora_shrink, lora_tiles, max_tiles, slot_rank
 from service.engine.llm import LLM
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
@@ -71,12 +71,45 @@ def test_kernel_matches_the_float32_reference(device, dtype, rows, k, widths, sl
     assert not torch.equal(wide[~untouched], before[~untouched])
 
 
-@pytest.mark.parametrize("rows,slots,widths,add", [(1, 1, (64, 32, 32), False), (13, 3, (48, 48), True),
-                                                   (37, 8, (64, 32, 32), True), (37, 8, (48, 48), False)])
-def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, rows, slots, widths, add):
+def columns_weight(w: torch.Tensor, weights, parts, rank: int) -> torch.Tensor:
+    """kernels.lora's columns layout, built plainly: w [N, K] and beside it, for projection p (the rows of parts[p])
+    and slot s, B_s at columns K + (p * slots + s) * rank."""
+    slots, (n, k) = weights.shape[0], w.shape
+    wide = torch.zeros(n, k + len(parts) * slots * rank, dtype=w.dtype, device=w.device)
+    wide[:, :k] = w
+    row = 0
+    for p, (width, _, b_at) in enumerate(parts):
+        for s in range(slots):
+            col = k + (p * slots + s) * rank
+            wide[row:row + width, col:col + rank] = weights[s, b_at:b_at + width * rank].view(width, rank)
+        row += width
+    return wide
+
+
+def assert_columns(t, h, weights, scales, parts, row_slots, rank, tol):
+    """t = [h | shrinks] in the columns layout: each row's scaled shrinks in its slot's columns, zeros elsewhere."""
+    slots, k = weights.shape[0], h.shape[1]
+    assert torch.equal(t[:, :k], h)
+    for row, slot in enumerate(row_slots.tolist()):
+        for p, (_, a_at, _) in enumerate(parts):
+            for s in range(slots):
+                got = t[row, k + (p * slots + s) * rank:k + (p * slots + s + 1) * rank]
+                if s != slot:
+                    assert not got.any(), (row, p, s)
+                    continue
+                a = weights[s, a_at:a_at + rank * k].view(rank, k).float()
+                want = (h[row].float() @ a.t() * scales[s]).to(h.dtype)
+                torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows,slots,widths,add,columns", [
+    (1, 1, (64, 32, 32), False, False), (13, 3, (48, 48), True, False), (37, 8, (64, 32, 32), True, False),
+    (37, 8, (48, 48), False, False), (37, 8, (64, 32, 32), True, True), (21, 3, (48, 48), False, True)])
+def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, rows, slots, widths, add, columns):
     """kernels.elementwise's norms with `shrinks`: the normalized rows as without, and each adapter row's scaled
     shrinks x A^T of its slot rounded as lora_add_ref rounds them; the projections' kernels take them (decode_linear
-    up to its rows, lora_add_'s expand past them) and give what their reference gives."""
+    up to its rows, lora_add_'s expand past them) and give what their reference gives. columns: the shrinks beside
+    the rows in kernels.lora's columns layout, and one matmul with the slots' B beside the weight adds them."""
     from kernels.decode_linear import MAX_ROWS, decode_linear, decode_linear_ref
     from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm, rms_norm_shrinks
 
@@ -94,23 +127,31 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             total = residual.clone()
             plain = add_rms_norm_(x, total, norm_weight, 1e-6)
             before = residual.clone()
-            h, new_residual, t = add_rms_norm_shrinks(x, residual, norm_weight, 1e-6, shrinks)
+            h, new_residual, t = add_rms_norm_shrinks(x, residual, norm_weight, 1e-6, shrinks, columns=columns)
             assert torch.equal(new_residual, total) and torch.equal(residual, before)
         else:
             plain = rms_norm(x, norm_weight, 1e-6)
-            h, t = rms_norm_shrinks(x, norm_weight, 1e-6, shrinks)
+            h, t = rms_norm_shrinks(x, norm_weight, 1e-6, shrinks, columns=columns)
         assert torch.equal(h, plain)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
+        w = (torch.randn(sum(widths), k, generator=gen) / k ** 0.5).to(device, dtype)
+        silu = len(widths) == 2
+        device_slots = torch.from_numpy(row_slots).to(device)
+        ref = decode_linear_ref(h, w, silu_mul=silu, lora=(weights, scales, tiles, r, parts), row_slots=device_slots)
+        if columns:
+            assert_columns(t, h, weights, scales, parts, row_slots, r, tol)
+            y = (t.float() @ columns_weight(w, weights, parts, r).float().t()).to(dtype)
+            if silu:
+                gate, up = y.float().chunk(2, dim=1)
+                y = (gate * torch.sigmoid(gate) * up).to(dtype)
+            assert rel_err(y, ref) < tol
+            continue
         for row in np.flatnonzero(row_slots >= 0):
             s = int(row_slots[row])
             for p, (_, a_at, _) in enumerate(parts):
                 a = weights[s, a_at:a_at + r * k].view(r, k).float()
                 want = (h[row].float() @ a.t() * scales[s]).to(dtype)
                 torch.testing.assert_close(t[row, p * r:(p + 1) * r].float(), want.float(), atol=tol, rtol=tol)
-        w = (torch.randn(sum(widths), k, generator=gen) / k ** 0.5).to(device, dtype)
-        silu = len(widths) == 2
-        device_slots = torch.from_numpy(row_slots).to(device)
-        ref = decode_linear_ref(h, w, silu_mul=silu, lora=(weights, scales, tiles, r, parts), row_slots=device_slots)
         if rows <= MAX_ROWS:
             got = decode_linear(h, w, silu_mul=silu, lora=(weights, scales, tiles, r, parts), shrunk=t)
             assert rel_err(got, ref) < tol
@@ -121,6 +162,22 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             lora_add_ref(h, [(want[:, c - n:c], a, b) for (n, a, b), c in zip(parts, np.cumsum(widths))], weights,
                          scales, device_slots, r)
             assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
+
+
+@pytest.mark.parametrize("rows,k,widths,slots", [(23, 200, (96,), 4), (40, 300, (64, 32, 32), 8), (17, 96, (48,), 1)])
+def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots):
+    """lora_shrink(columns=True), as o and down take it past decode_linear's rows: x copied beside its shrinks,
+    rows of no slot (a third of them) with zeros."""
+    r = 16
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
+        gen = torch.Generator().manual_seed(rows + k)
+        weights, scales, parts = random_slots(widths, k, slots, r, device, dtype, gen)
+        x = torch.randn(rows, k + 7, generator=gen).to(device, dtype)[:, :k]  # a view, as attention's output may be
+        row_slots = np.where(np.arange(rows) % 3 == 1, -1, np.arange(rows) % slots).astype(np.int32)
+        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
+        t = lora_shrink(x, weights, scales, tiles, r, [a for _, a, _ in parts], max_tiles(rows, slots), columns=True)
+        assert t.shape == (rows, k + len(widths) * slots * r)
+        assert_columns(t, x, weights, scales, parts, row_slots, r, 1e-5 if dtype == torch.float32 else 2e-2)
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
@@ -166,6 +223,66 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
             tokens[out.request_id].append(out.token_id)
     assert_no_leaks(llm)
     return tokens
+
+
+@pytest.mark.parametrize("rows", [17, 64])
+def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows):
+    """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
+    rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
+    in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
+    (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
+    evicted after the columns were laid out, the projections fused again after, and rows of no adapter."""
+    from torch.nn import functional as F
+
+    from service.model.layers import fused_projection, silu_mul_ref
+    from service.model.loader import load_model
+    from service.model.lora import LoRASlots, add_slot_updates, serving_slots, slot_columns, slot_shrinks
+
+    dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
+    model = load_model(model_dir, dtype, device)
+    model.fuse_projections()  # (on the CPU: the loader fuses on CUDA only)
+    slots = LoRASlots(model, 2, 8)
+    for name, adapter in adapters_for(model, 3).items():
+        add_adapter(model, name, adapter.to(device, dtype))
+    for names in ({"tuned-0", "tuned-1"}, {"tuned-1", "tuned-2"}):  # tuned-2 takes tuned-0's slot
+        slot_of, loads = slots.assign(names)
+        for slot, name in loads:
+            slots.load(slot, name)
+    assert slots.evictions == 1
+    model.fuse_projections(False)  # and back, as benchmarks/step_profile.py switches paths: the columns stay
+    model.fuse_projections()
+    g = torch.Generator().manual_seed(rows)
+    row_slots = torch.tensor([-1, *slot_of.values()])[torch.randint(0, 3, (rows,), generator=g)].to(torch.int32)
+    tiles = torch.from_numpy(lora_tiles(row_slots.numpy(), max_tiles(rows, 2))).to(device)
+    layer = model.model.layers[1]
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def check(linears, weight, bias, x, silu=False, norm=None):
+        assert slot_columns(linears, rows, norm is not None) is not None
+        assert slot_columns(linears, 16, norm is not None) is None
+        shrunk = None
+        if norm is not None:  # the norm computes the input and its shrinks
+            x, _, shrunk = norm.add(None, x, True, slot_shrinks(rows, *linears))
+            assert shrunk.shape[1] == x.shape[1] + len(linears) * 2 * slots.rank
+        got = fused_projection(x, weight, bias, linears, silu=silu, shrunk=shrunk)
+        want = F.linear(x, weight, bias)
+        parts = want.split([linear.out_features for linear in linears], dim=1)
+        base = silu_mul_ref(*parts) if silu else want.clone()
+        add_slot_updates(x, *zip(linears, parts))
+        want = silu_mul_ref(*parts) if silu else want
+        assert rel_err(got, want) < tol and rel_err(got, base) > 10 * tol
+
+    def randn(cols):
+        return torch.randn(rows, cols, generator=g).to(device, dtype)
+
+    with torch.no_grad(), serving_slots(slots, tiles, row_slots.to(device)):
+        hidden = model.config.hidden_size
+        check((attn.q_proj, attn.k_proj, attn.v_proj), attn.qkv_weight, attn.qkv_bias, randn(hidden),
+              norm=layer.input_layernorm)
+        check((attn.o_proj,), attn.o_proj.weight, None, randn(attn.o_proj.in_features))
+        check((mlp.gate_proj, mlp.up_proj), mlp.gate_up_weight, None, randn(hidden), silu=True,
+              norm=layer.post_attention_layernorm)
+        check((mlp.down_proj,), mlp.down_proj.weight, None, randn(mlp.down_proj.in_features))
 
 
 @pytest.mark.parametrize("count,max_loras", [(1, 8), (8, 8), (5, 2)])  # (5, 2): adapters take turns in 2 slots

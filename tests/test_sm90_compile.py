@@ -89,8 +89,9 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
         x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
 
 
-def shrink_launched(rows: int, k: int, parts: int) -> str:
-    """kernels.lora.lora_shrink of `rows` bf16 rows, K = k, for `parts` projections of rank 16 over 8 slots."""
+def shrink_launched(rows: int, k: int, parts: int, columns: bool = False) -> str:
+    """kernels.lora.lora_shrink of `rows` bf16 rows, K = k, for `parts` projections of rank 16 over 8 slots (in the
+    columns layout where `columns`)."""
     import numpy as np
     import torch
 
@@ -100,7 +101,7 @@ def shrink_launched(rows: int, k: int, parts: int) -> str:
     weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
     tiles = torch.from_numpy(module.lora_tiles(np.arange(rows) % 8, module.max_tiles(rows, 8)))
     return launched_ptx(module, "_shrink_kernel", lambda: module.lora_shrink(
-        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8)), PDL=True)
+        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8), columns), PDL=True)
 
 
 def decode_split_ptx(rope: bool, merge: bool) -> str:
@@ -136,9 +137,9 @@ def lora_ptx(kernel: str) -> str:
     return launched_ptx(module, kernel, lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16), PDL=True)
 
 
-def norm_launched(add: bool, rows: int, k: int, parts: int) -> str:
+def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = False) -> str:
     """kernels.elementwise's rms_norm_shrinks (add_rms_norm_shrinks where `add`) of `rows` bf16 rows, K = k,
-    computing the shrinks of `parts` projections of rank 16 over 8 slots."""
+    computing the shrinks of `parts` projections of rank 16 over 8 slots (in the columns layout where `columns`)."""
     import numpy as np
     import torch
 
@@ -151,8 +152,9 @@ def norm_launched(add: bool, rows: int, k: int, parts: int) -> str:
     shrinks = (weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)])
     if add:
         return launched_ptx(module, "_add_rms_norm_kernel", lambda: module.add_rms_norm_shrinks(
-            x.clone(), x.clone(), w, 1e-6, shrinks), PDL=True)
-    return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm_shrinks(x, w, 1e-6, shrinks), PDL=True)
+            x.clone(), x.clone(), w, 1e-6, shrinks, columns), PDL=True)
+    return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm_shrinks(x, w, 1e-6, shrinks, columns),
+                        PDL=True)
 
 
 def compiled(case: str, *args) -> str:
@@ -173,19 +175,22 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
     assert "mma" in ptx and "ld.local" not in ptx
 
 
-@pytest.mark.parametrize("rows,k,parts", [(1, 896, 3), (16, 4864, 1)])
-def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts):
+@pytest.mark.parametrize("rows,k,parts,columns", [(1, 896, 3, False), (16, 4864, 1, False), (40, 896, 1, True),
+                                                 (64, 4864, 1, True)])
+def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns):
     """The slots' A is read before the wait on the kernel before (it is written before the step), x after it."""
-    ptx = compiled("shrink_launched", rows, k, parts)
+    ptx = compiled("shrink_launched", rows, k, parts, columns)
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-@pytest.mark.parametrize("add,rows,k,parts", [(False, 1, 896, 3), (True, 64, 896, 2), (True, 256, 2048, 3)])
-def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts):
+@pytest.mark.parametrize("add,rows,k,parts,columns", [(False, 1, 896, 3, False), (True, 64, 896, 2, False),
+                                                     (True, 256, 2048, 3, False), (True, 40, 896, 3, True),
+                                                     (False, 64, 896, 2, True)])
+def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts, columns):
     """Each program's chunk of A is read before the wait (with the rows' slots, from the tiles: both are written
     before the step), and stays in registers across it (no local memory); the rows after it."""
-    ptx = compiled("norm_launched", add, rows, k, parts)
+    ptx = compiled("norm_launched", add, rows, k, parts, columns)
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait].count("ld.global")
     assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx

@@ -9,8 +9,10 @@ v; gate and up), the modules' own weights being views of its rows, so checkpoint
 the modules. Up to kernels.decode_linear.MAX_ROWS token rows (decode steps) run kernels/decode_linear.py: one
 launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expands inside (their shrinks in the
 RMSNorm before q/k/v and gate-up, RMSNorm.add, or in a launch before o and down, kernels.lora.lora_shrink); more
-rows run one cuBLAS GEMM per fused weight, the slots' updates added by kernels/lora.py (up to
-kernels.lora.ROW_SHRINK_MAX_ROWS rows, q/k/v's and gate-up's shrinks from the norm there too).
+rows run one cuBLAS GEMM per fused weight. Up to kernels.lora.COLUMNS_MAX_ROWS rows that GEMM also adds the slots'
+updates: the weight carries every slot's B beside it and the input its rows' shrinks (the slots' columns,
+service.model.lora.slot_columns; from the norm for q/k/v and gate-up, from one lora_shrink launch for o and down);
+past them kernels.lora.lora_add_ adds them after the GEMM.
 """
 import math
 
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service.model.lora import add_slot_updates, eager_adapters_active, slot_lora
+from service.model.lora import add_slot_updates, eager_adapters_active, slot_columns, slot_columns_input, slot_lora
 from service.model.parallel import SINGLE, TensorParallel, all_reduce
 
 
@@ -60,7 +62,7 @@ class RMSNorm(nn.Module):
         a projection's partial sums (service.model.layers.fused_projection), and, given `shrinks`
         (service.model.lora.slot_shrinks) and at most kernels.lora.ROW_SHRINK_MAX_ROWS rows, the kernel also
         computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
-        tensor)."""
+        tensor), in the slots' columns layout where slot_shrinks says so."""
         if fused:
             from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm_shrinks
             from kernels.lora import ROW_SHRINK_MAX_ROWS
@@ -69,10 +71,11 @@ class RMSNorm(nn.Module):
             if shrinks is None:
                 norm = self(residual) if x is None else add_rms_norm_(x, residual, self.weight, self.eps)
                 return norm, residual, None
+            *shrinks, columns = shrinks
             if x is None:
-                norm, shrunk = rms_norm_shrinks(residual, self.weight, self.eps, shrinks)
+                norm, shrunk = rms_norm_shrinks(residual, self.weight, self.eps, shrinks, columns)
                 return norm, residual, shrunk
-            return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks)
+            return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks, columns)
         if x is not None:
             residual = residual + x
         return self(residual), residual, None
@@ -154,9 +157,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def fuse(self) -> None:
-        """One [2 * intermediate, hidden] weight, gate's rows then up's (the modules' weights become its views)."""
-        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj)[0]
+    def fuse(self, lora_columns: int = 0) -> None:
+        """One [2 * intermediate, hidden] weight, gate's rows then up's (the modules' weights become its views);
+        lora_columns: LoRA slots' columns beside it and beside down's (fuse_linears)."""
+        self.gate_up_weight = fuse_linears(self.gate_proj, self.up_proj, lora_columns=lora_columns)[0]
+        if lora_columns:
+            fuse_linears(self.down_proj, lora_columns=lora_columns)
 
     def forward(self, x, shrunk=None):
         """shrunk: the LoRA shrinks of gate and up, computed by the norm before (RMSNorm.add), on the fused path."""
@@ -187,19 +193,29 @@ def fused_inference(module: nn.Module, weight: str, x: torch.Tensor) -> bool:
     return getattr(module, weight, None) is not None and _use_kernels(x) and not eager_adapters_active()
 
 
-def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) holding the linears' rows in order; each linear's parameters become views of it."""
+def fuse_linears(*linears: nn.Linear, lora_columns: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) holding the linears' rows in order; each linear's parameters become views of it.
+    lora_columns > 0: that weight is the first K columns of a wider one with lora_columns more per linear, where
+    service.model.lora.LoRASlots puts its slots' B (kernels.lora's columns layout; zeros at first, carried over
+    from the wider weight the linears already had); each linear's `_lora_columns` is (that wider weight, the
+    linear's first row there, its first column of slots' B)."""
+    k, rows = linears[0].in_features, sum(linear.out_features for linear in linears)
+    before = getattr(linears[0], "_lora_columns", None)
     with torch.no_grad():
-        weight = torch.cat([linear.weight for linear in linears])
+        wide = linears[0].weight.new_zeros(rows, k + len(linears) * lora_columns)
+        wide[:, :k] = torch.cat([linear.weight for linear in linears])
+        if lora_columns and before is not None and before[0].shape == wide.shape:
+            wide[:, k:] = before[0][:, k:]
         bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
     at = 0
-    for linear in linears:
-        rows = linear.out_features
-        linear.weight = nn.Parameter(weight[at:at + rows], requires_grad=linear.weight.requires_grad)
+    for p, linear in enumerate(linears):
+        n = linear.out_features
+        linear.weight = nn.Parameter(wide[at:at + n, :k], requires_grad=linear.weight.requires_grad)
+        linear._lora_columns = (wide, at, k + p * lora_columns) if lora_columns else None
         if bias is not None:
-            linear.bias = nn.Parameter(bias[at:at + rows], requires_grad=linear.bias.requires_grad)
-        at += rows
-    return weight, bias
+            linear.bias = nn.Parameter(bias[at:at + n], requires_grad=linear.bias.requires_grad)
+        at += n
+    return wide[:, :k], bias
 
 
 def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None):
@@ -207,14 +223,23 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
     `weight` (fuse_linears), with the LoRA updates of the rows' slots; silu: linears are gate and up, and the
     result is the SwiGLU gate silu(gate) * up. partials: the result may come as float32 partial sums [splits, rows,
     out] (kernels.decode_linear), for a consumer that adds them up (RMSNorm.add). shrunk: the rows' LoRA shrinks,
-    already computed by the norm that produced x (RMSNorm.add)."""
+    already computed by the norm that produced x (RMSNorm.add); where the rows take the slots' columns
+    (service.model.lora.slot_columns), [x | shrinks] in their layout."""
     from kernels.decode_linear import MAX_ROWS, decode_linear
     if x.shape[0] <= MAX_ROWS:
         return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials,
                              shrunk=shrunk)
-    y = F.linear(x, weight, bias)
-    parts = y.split([linear.out_features for linear in linears], dim=1)
-    add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
+    columns = slot_columns(linears, x.shape[0], normed=shrunk is not None)
+    if columns is not None:  # one GEMM adds every row's update: [x | shrinks] times [weight | slots' B]
+        wide = shrunk if shrunk is not None else slot_columns_input(x, linears)
+        if wide.shape[1] != columns.shape[1]:
+            raise ValueError(f"input of {wide.shape[1]} columns for a weight of {columns.shape[1]}")
+        y = F.linear(wide, columns, bias)
+        parts = y.split([linear.out_features for linear in linears], dim=1)
+    else:
+        y = F.linear(x, weight, bias)
+        parts = y.split([linear.out_features for linear in linears], dim=1)
+        add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
     if silu:
         from kernels.elementwise import silu_mul
         return silu_mul(*parts)

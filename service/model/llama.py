@@ -42,9 +42,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_cache = self.v_cache = None
 
-    def fuse(self) -> None:
-        """One [q + k + v, hidden] weight and bias (the modules' become its views), see service.model.layers."""
-        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+    def fuse(self, lora_columns: int = 0) -> None:
+        """One [q + k + v, hidden] weight and bias (the modules' become its views), see service.model.layers;
+        lora_columns: LoRA slots' columns beside it and beside o's (fuse_linears)."""
+        self.qkv_weight, self.qkv_bias = fuse_linears(self.q_proj, self.k_proj, self.v_proj, lora_columns=lora_columns)
+        if lora_columns:
+            fuse_linears(self.o_proj, lora_columns=lora_columns)
 
     def _forward_fused(self, x, positions, rotary, meta: AttentionMetadata, shrunk):
         """Inference on CUDA: one projection for q, k and v; rotation and the cache write in one kernel, or in the
@@ -108,10 +111,11 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         fused = fused_inference(attn, "qkv_weight", residual)
         # Serving adapters from slots, each norm also computes the LoRA shrinks of the projections that read it
-        shrinks = slot_shrinks(attn.q_proj, attn.k_proj, attn.v_proj) if fused and meta is not None else None
+        rows = residual.shape[0]
+        shrinks = slot_shrinks(rows, attn.q_proj, attn.k_proj, attn.v_proj) if fused and meta is not None else None
         h, residual, shrunk = self.input_layernorm.add(x, residual, fused, shrinks)
         out = attn(h, positions, rotary, meta, cu_seqlens, max_seqlen, shrunk=shrunk)
-        shrinks = slot_shrinks(mlp.gate_proj, mlp.up_proj) if fused else None
+        shrinks = slot_shrinks(rows, mlp.gate_proj, mlp.up_proj) if fused else None
         h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks)
         return mlp(h, shrunk=shrunk), residual
 
@@ -141,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE):
         super().__init__()
         self.config, self.tp = cfg, tp
+        self.lora_columns = 0  # per projection, beside the fused weights (add_lora_columns)
         self.model = LlamaModel(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows(cfg.vocab_size, tp)[1], bias=False)
         if cfg.tie_word_embeddings:
@@ -151,10 +156,17 @@ class LlamaForCausalLM(nn.Module):
         module-by-module path again (the fused weights stay the modules' storage), to compare the two."""
         for layer in self.model.layers:
             if on:
-                layer.self_attn.fuse()
-                layer.mlp.fuse()
+                layer.self_attn.fuse(self.lora_columns)
+                layer.mlp.fuse(self.lora_columns)
             else:
                 layer.self_attn.qkv_weight = layer.self_attn.qkv_bias = layer.mlp.gate_up_weight = None
+
+    def add_lora_columns(self, columns: int) -> None:
+        """Room for LoRA slots beside every fused weight: `columns` more per projection (fuse_linears), now if the
+        projections are fused, else when they are."""
+        self.lora_columns = columns
+        if getattr(self.model.layers[0].self_attn, "qkv_weight", None) is not None:
+            self.fuse_projections()
 
     def bind_kv_cache(self, k_caches, v_caches) -> None:
         """Per-layer paged caches [num_blocks, block_size, heads_k, head_dim] the inference forward uses."""

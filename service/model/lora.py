@@ -285,13 +285,16 @@ class LoRASlots:
 
     The runner assigns slots (`assign`, on the host: which adapter goes where) and loads them (`load`, on every
     tensor-parallel rank, each from its own slices); copies are stream-ordered, so a slot is never rewritten under
-    a step still reading it."""
+    a step still reading it. Each slot's B is also copied beside the fused weights (the model's add_lora_columns:
+    kernels.lora's columns layout), where the GEMMs of steps of a few dozen rows read it (slot_columns)."""
 
     def __init__(self, model: nn.Module, count: int, max_rank: int):
         from kernels.lora import slot_rank
 
         install(model)
         self.model, self.count, self.max_rank, self.rank = model, count, max_rank, slot_rank(max_rank)
+        if hasattr(model, "add_lora_columns"):
+            model.add_lora_columns(count * self.rank)
         weight = next(model.parameters())
         self.layout: dict[str, tuple[int, int, int, int]] = {}  # projection -> (offset of A, of B, in, out)
         size = 0
@@ -340,6 +343,12 @@ class LoRASlots:
         self.held[slot] = adapter
         self.storage[slot].copy_(self._pack(adapter), non_blocking=True)
         self.scales[slot].fill_(adapter.scale)
+        for name, linear in target_linears(self.model).items():
+            if getattr(linear, "_lora_columns", None) is not None:
+                wide, row, col = linear._lora_columns
+                _, b_at, _, n_out = self.layout[name]
+                b = self.storage[slot, b_at:b_at + n_out * self.rank].view(n_out, self.rank)
+                wide[row:row + n_out, col + slot * self.rank:col + (slot + 1) * self.rank].copy_(b)
 
     def _pack(self, adapter: Adapter) -> torch.Tensor:
         entry = self._packed.get(id(adapter))
@@ -400,12 +409,40 @@ def slot_lora(linears) -> tuple | None:
     return slots.storage, slots.scales, _local.slots_batch[0], slots.rank, parts
 
 
-def slot_shrinks(*linears: nn.Linear) -> tuple | None:
-    """The `shrinks` argument of kernels.elementwise's norms for the projections of one input that read the norm:
-    their LoRA shrinks computed in the norm's kernel, from slot_lora's slots, tiles and A offsets; None when the
-    thread serves no slots."""
+def slot_shrinks(rows: int, *linears: nn.Linear) -> tuple | None:
+    """The `shrinks` argument of kernels.elementwise's norms for the projections of one input that read the norm
+    (rows of it), and last whether the norm writes them in the columns layout (slot_columns): their LoRA shrinks
+    computed in the norm's kernel, from slot_lora's slots, tiles and A offsets; None when the thread serves no
+    slots."""
     lora = slot_lora(linears)
-    return None if lora is None else (*lora[:4], [a_at for _, a_at, _ in lora[4]])
+    if lora is None:
+        return None
+    return *lora[:4], [a_at for _, a_at, _ in lora[4]], slot_columns(linears, rows, normed=True) is not None
+
+
+def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
+    """The fused weight of these projections with the slots' B beside it (kernels.lora's columns layout), where a
+    step of `rows` token rows adds the slots' updates in its GEMM: serving from slots, past
+    kernels.decode_linear.MAX_ROWS rows and up to kernels.lora.COLUMNS_MAX_ROWS, for projections whose input comes
+    from a norm (`normed`: the norm writes the shrinks) or, with kernels.lora.COLUMNS_SHRINK_LAUNCH, any; else
+    None."""
+    from kernels import lora
+    from kernels.decode_linear import MAX_ROWS
+
+    columns = getattr(linears[0], "_lora_columns", None)
+    if getattr(_local, "slots", None) is None or columns is None or not MAX_ROWS < rows <= lora.COLUMNS_MAX_ROWS:
+        return None
+    return columns[0] if normed or lora.COLUMNS_SHRINK_LAUNCH else None
+
+
+def slot_columns_input(x: torch.Tensor, linears) -> torch.Tensor:
+    """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down): one
+    kernels.lora.lora_shrink launch."""
+    from kernels.lora import lora_shrink, used_tiles
+
+    weights, scales, tiles, rank, parts = slot_lora(linears)
+    return lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts],
+                       used_tiles(tiles, x.shape[0], weights.shape[0]), columns=True)
 
 
 def eager_adapters_active() -> bool:
