@@ -5,6 +5,7 @@ weights with bf16 autocast, AdamW).
 
     python -m service.default_model.train_default --prepare-corpus   # once, where `apt-get install fortunes`
     python -m service.default_model.train_default [--out DIR]        # on the GPU (training budget 240 s, ~5 min in all)
+    python -m service.default_model.train_default --device cpu --fortunes 300 --steps 3 --out DIR  # a smoke (CI)
 
 Corpus recipe (--prepare-corpus): every text file of /usr/share/games/fortunes (Debian packages fortunes-min and
 fortunes, DFSG-free, BSD-style licence; the offensive set lives elsewhere and is not read, and the
@@ -13,6 +14,12 @@ whitespace trimmed, only printable ASCII kept, deduplicated, shuffled with seed 
 separated by `%` lines, gzipped into corpus.txt.gz beside this script (~1 MB), so the GPU machine needs
 no package. Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json, loss_curve.png, training_log.json (losses, settings, samples) to --out.
+
+--repeat-share S: a share S of the training examples are a training fortune said two or three times, `%` lines
+between (the fortunes stay one per example otherwise). A model that never sees a passage twice learns no copying,
+and n-gram speculative decoding (benchmarks/spec.py's copy-heavy prompts: a fortune, again, then its start) gains
+only where the model repeats its context. The held-out log then also holds the loss of a held-out fortune's second
+saying (val_copy_loss: near zero once the model copies).
 """
 import argparse
 import gzip
@@ -87,15 +94,22 @@ def save_tokenizer(tok: Tokenizer, out: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(out))
 
 
-def batches(examples, tokens_per_batch: int, rng: random.Random):
-    """Endless random batches of whole examples holding about tokens_per_batch tokens."""
+def batches(examples, tokens_per_batch: int, rng: random.Random, repeats=(), repeat_share: float = 0.0):
+    """Endless random batches of whole examples holding about tokens_per_batch tokens, a share repeat_share of
+    them drawn from `repeats` instead."""
     while True:
         batch, size = [], 0
         while size < tokens_per_batch:
-            ex = examples[rng.randrange(len(examples))]
+            pool = repeats if repeats and rng.random() < repeat_share else examples
+            ex = pool[rng.randrange(len(pool))]
             batch.append(ex)
             size += len(ex.token_ids)
         yield batch
+
+
+def repeated(text: str, rng: random.Random) -> str:
+    """A fortune said two or three times, `%` lines between."""
+    return SEPARATOR.join([text] * rng.choice((2, 3)))
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -105,7 +119,7 @@ def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare-corpus", action="store_true", help="build corpus.txt.gz from the fortune files")
     parser.add_argument("--out", default=str(HERE))
@@ -114,24 +128,38 @@ def main():
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-seconds", type=float, default=240.0, help="training time budget (the schedule "
                         "ends at --steps or at this, whichever comes first)")
-    args = parser.parse_args()
+    parser.add_argument("--repeat-share", type=float, default=0.0, help="share of training examples that are a "
+                        "fortune said two or three times (the module doc says why)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
+    parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
+    args = parser.parse_args(argv)
     if args.prepare_corpus:
         return prepare_corpus()
-    if not torch.cuda.is_available():
-        raise SystemExit("training the default model needs a CUDA GPU")
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("training the default model needs a CUDA GPU (--device cpu: a smoke)")
     torch.manual_seed(0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    texts = gzip.decompress(CORPUS.read_bytes()).decode().split(SEPARATOR)
+    texts = gzip.decompress(CORPUS.read_bytes()).decode().split(SEPARATOR)[:args.fortunes]
     tokenizer = save_tokenizer(train_tokenizer(texts), out)
     examples = [tokenize({"text": t}, tokenizer) for t in texts]
     for ex in examples:
         ex.token_ids, ex.loss_mask = ex.token_ids[:MAX_TOKENS], ex.loss_mask[:MAX_TOKENS]
-    held_out, examples = examples[:len(examples) // 50], examples[len(examples) // 50:]
+    split = len(examples) // 50
+    held_out, examples = examples[:split], examples[split:]
     print(f"{len(texts)} fortunes, {sum(len(e.token_ids) for e in examples) / 1e6:.2f} M training tokens")
+    rng = random.Random(0)
+    repeats, held_out_copies = [], []
+    if args.repeat_share:
+        repeats = [tokenize({"text": repeated(t, rng)}, tokenizer) for t in texts[split:]]
+        # The second saying of a held-out fortune, the first in the prompt: what copying predicts
+        held_out_copies = [tokenize({"prompt": t + SEPARATOR, "completion": t}, tokenizer) for t in texts[:split]]
+        for ex in repeats + held_out_copies:
+            ex.token_ids, ex.loss_mask = ex.token_ids[:3 * MAX_TOKENS], ex.loss_mask[:3 * MAX_TOKENS]
 
     cfg = ModelConfig.from_dict(CONFIG)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = LlamaForCausalLM(cfg)  # float32 master weights
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -145,31 +173,37 @@ def main():
     decay = [p for p in model.parameters() if p.dim() > 1]
     other = [p for p in model.parameters() if p.dim() <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(0.9, 0.95), fused=True)
+                                  lr=args.lr, betas=(0.9, 0.95), fused=device == "cuda")
 
-    def evaluate() -> float:
+    def bf16():
+        return torch.autocast(device, torch.bfloat16, enabled=device == "cuda")
+
+    def evaluate(held) -> float:
         model.eval()
         total, count = 0.0, 0
-        with torch.no_grad(), torch.autocast("cuda", torch.bfloat16):
-            for i in range(0, len(held_out), 64):
-                loss, n = loss_sum(model, held_out[i:i + 64], "cuda")
+        with torch.no_grad(), bf16():
+            for i in range(0, len(held), 64):
+                loss, n = loss_sum(model, held[i:i + 64], device)
                 total, count = total + loss.item(), count + n
         model.train()
         return total / count
 
-    rng, log = random.Random(0), {"step": [], "loss": [], "val_step": [], "val_loss": []}
+    log = {"step": [], "loss": [], "val_step": [], "val_loss": [], "val_copy_loss": []}
     weights = {}
 
     def keep_if_best(step: int) -> None:
         """The corpus is small (the model sees it ~15 times): keep the weights of the best held-out loss."""
         log["val_step"].append(step)
-        log["val_loss"].append(evaluate())
+        log["val_loss"].append(evaluate(held_out))
+        if held_out_copies:
+            log["val_copy_loss"].append(evaluate(held_out_copies))
+            print(f"held out: loss {log['val_loss'][-1]:.3f}, second saying {log['val_copy_loss'][-1]:.3f}")
         if log["val_loss"][-1] <= min(log["val_loss"]):
             weights.update({k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
                             if k != "lm_head.weight"})
 
     start, done = time.perf_counter(), 0
-    stream = batches(examples, args.tokens_per_step, rng)
+    stream = batches(examples, args.tokens_per_step, rng, repeats, args.repeat_share)
     for step in range(args.steps):
         # Progress in steps or in time, whichever is further: a slower GPU still ends its schedule in time.
         progress = max(step / args.steps, (time.perf_counter() - start) / args.max_seconds)
@@ -177,8 +211,8 @@ def main():
             break
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, progress, args.lr, warmup=100)
-        with torch.autocast("cuda", torch.bfloat16):
-            loss, n = loss_sum(model, next(stream), "cuda")
+        with bf16():
+            loss, n = loss_sum(model, next(stream), device)
         (loss / n).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -198,19 +232,19 @@ def main():
     (out / "config.json").write_text(json.dumps({**CONFIG, "_comment": "trained by train_default.py on Debian's "
                                                  "fortune files"}, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "bos_token_id": 0}) + "\n")
-    samples = sample(out)
+    samples = sample(out, device)
     (out / "training_log.json").write_text(json.dumps({**log, "seconds": seconds, "steps": done,
                                                        "args": vars(args), "samples": samples}, indent=1))
     plot(log, out / "loss_curve.png")
     print(f"wrote the model to {out}")
 
 
-def sample(model_dir: Path) -> dict[str, str]:
+def sample(model_dir: Path, device: str) -> dict[str, str]:
     """Continuations of a few prompts by the saved model, through the serving engine."""
     from service.engine.llm import LLM
     from service.protocol import SamplingParams
 
-    llm = LLM(str(model_dir), gpu_memory_utilization=0.2)
+    llm = LLM(str(model_dir), device=device, **({"gpu_memory_utilization": 0.2} if device == "cuda" else {}))
     params = SamplingParams(max_new_tokens=60, temperature=0.7, top_p=0.9, seed=0)
     outputs = llm.generate(SAMPLE_PROMPTS, params)
     samples = {p: o.text for p, o in zip(SAMPLE_PROMPTS, outputs)}
@@ -227,6 +261,8 @@ def plot(log: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(log["step"], log["loss"], label="training")
     ax.plot(log["val_step"], log["val_loss"], "o-", label="held out")
+    if log["val_copy_loss"]:
+        ax.plot(log["val_step"], log["val_copy_loss"], "s-", label="held out, second saying")
     ax.set(xlabel="step", ylabel="cross-entropy (nats/token)", title="default model on the fortune files")
     ax.legend()
     fig.tight_layout()
