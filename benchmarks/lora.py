@@ -12,9 +12,10 @@ projections, random weights), two numbers per cell:
   otherwise), CUDA events around 50 back-to-back replays;
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
   the adapters loaded into their slots beforehand.
-At batch 64 with adapters also `variants`: the graph_ms of the same graph captured again with kernels/lora.py's
-switches set otherwise (VARIANTS): every update added after the GEMMs by kernels.lora.lora_add_, as steps of 17-64
-rows ran before the slots' columns; and the columns for q/k/v and gate-up only (o and down after their GEMMs).
+At batch 64 and 256 with adapters also `variants`: the graph_ms of the same graph captured again with
+kernels/lora.py's switches set otherwise (VARIANTS): every update added after the GEMMs by kernels.lora.lora_add_, as
+steps of 17-64 rows ran before the slots' columns; the columns for q/k/v and gate-up only (o and down after their
+GEMMs); and the columns up to 256 rows (past 64, each group's shrinks from a lora_shrink launch).
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 
@@ -41,7 +42,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
 from benchmarks.timing import replay_kernel_us, replay_ms  # noqa: E402
 from kernels.decode_linear import MAX_ROWS  # noqa: E402
-from kernels.lora import COLUMNS_MAX_ROWS  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.model.lora import TARGETS, Adapter, LoRAConfig, add_adapter  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -52,8 +52,9 @@ SERVED_ADAPTERS, SERVED_SHARES = 8, (0.0, 0.05, 0.5)
 # Per phase: closed-loop streams, prompt and generated tokens, then seconds of warm-up, measuring window and drain.
 SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup": 3.0, "seconds": 12.0, "drain": 10.0},
           "cpu": {"streams": 4, "prompt_len": 16, "new_tokens": 16, "warmup": 1.0, "seconds": 3.0, "drain": 20.0}}
-# Graphs captured again with kernels/lora.py's switches set otherwise, for the steps of 17-64 rows (see the doc).
-VARIANTS = {"updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False}}
+# Graphs captured again with kernels/lora.py's switches set otherwise, for the steps past 16 rows (see the doc).
+VARIANTS = {"updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False},
+            "columns_to_256_rows": {"COLUMNS_MAX_ROWS": 256}}
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 
 
@@ -149,7 +150,7 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
                 row["graph_ms"] = replay_ms(graph)
                 if batch == 1:  # where the adapters' time goes
                     row["kernel_us"] = replay_kernel_us(graph)
-                if count and MAX_ROWS < batch <= COLUMNS_MAX_ROWS:
+                if count and batch > MAX_ROWS:
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, switches))
                                        for name, switches in VARIANTS.items()}
             rows.append(row)

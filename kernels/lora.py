@@ -42,12 +42,14 @@ BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # adapters over all rows, the LoRA graph against the base: with it 1.46x at 64 rows and 1.56x at 256; without it,
 # at 206b168, 1.54x and 1.48x.)
 ROW_SHRINK_MAX_ROWS = 64
-# Past kernels.decode_linear.MAX_ROWS rows and up to this many (at most ROW_SHRINK_MAX_ROWS: it takes the norms'
-# shrinks), the GEMM of a projection group adds its rows' LoRA updates, in the columns layout (module doc); 0 turns
-# that off, for benchmarks/lora.py to compare.
+# Past kernels.decode_linear.MAX_ROWS rows and up to this many, the GEMM of a projection group adds its rows' LoRA
+# updates, in the columns layout (module doc); 0 turns that off. Past ROW_SHRINK_MAX_ROWS no norm computes shrinks
+# and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), which reads each row's A alone: benchmarks/
+# lora.py times 256 rows both ways (variants) before the bound goes past the norms'.
 COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
-# Whether o and down, whose input no norm produces, take the columns too (their shrinks from one lora_shrink launch
-# each, over all of K per row) or lora_add_'s two launches after their GEMM; benchmarks/lora.py times both.
+# Whether groups whose input comes with no shrinks (o and down; any past ROW_SHRINK_MAX_ROWS) take the columns too,
+# their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
+# GEMM.
 COLUMNS_SHRINK_LAUNCH = True
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 

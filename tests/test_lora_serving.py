@@ -225,18 +225,23 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows", [17, 64])
-def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows):
+@pytest.mark.parametrize("rows", [17, 64, 100])
+def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
     in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
     (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
-    evicted after the columns were laid out, the projections fused again after, and rows of no adapter."""
+    evicted after the columns were laid out, the projections fused again after, and rows of no adapter. Past the
+    norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink."""
     from torch.nn import functional as F
 
+    from kernels import lora
     from service.model.layers import fused_projection, silu_mul_ref
     from service.model.loader import load_model
     from service.model.lora import LoRASlots, add_slot_updates, serving_slots, slot_columns, slot_shrinks
+
+    monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
+    normed = rows <= lora.ROW_SHRINK_MAX_ROWS
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
     model = load_model(model_dir, dtype, device)
@@ -258,12 +263,13 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     attn, mlp = layer.self_attn, layer.mlp
 
     def check(linears, weight, bias, x, silu=False, norm=None):
-        assert slot_columns(linears, rows, norm is not None) is not None
+        assert slot_columns(linears, rows, norm is not None and normed) is not None
         assert slot_columns(linears, 16, norm is not None) is None
         shrunk = None
-        if norm is not None:  # the norm computes the input and its shrinks
+        if norm is not None:  # the norm computes the input, and its shrinks up to ROW_SHRINK_MAX_ROWS
             x, _, shrunk = norm.add(None, x, True, slot_shrinks(rows, *linears))
-            assert shrunk.shape[1] == x.shape[1] + len(linears) * 2 * slots.rank
+            assert (shrunk is not None) == normed
+            assert not normed or shrunk.shape[1] == x.shape[1] + len(linears) * 2 * slots.rank
         got = fused_projection(x, weight, bias, linears, silu=silu, shrunk=shrunk)
         want = F.linear(x, weight, bias)
         parts = want.split([linear.out_features for linear in linears], dim=1)
