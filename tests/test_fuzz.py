@@ -14,6 +14,7 @@ import jsonschema
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from schemas import DEAD_END
 from schemathesis.checks import CHECKS
 from schemathesis.config import SchemathesisConfig
 from server import serve
@@ -84,8 +85,6 @@ SCHEMAS = {
         "$defs": {"city": {"enum": ["Paris", "Oslo"]}}},
 }
 CYCLE = {"$ref": "#"}  # matches no output at all: refused up front
-DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
-            "$defs": {"x": {"$ref": "#/$defs/x"}}}  # matches '{"a": ' and then nothing: ends mid-output
 EXTERNAL = {"type": "object", "properties": {"x": {"$ref": "https://example.com/schema.json"}}}
 HUGE = {"enum": [f"value number {i}" for i in range(5000)]}  # 95 KB, over max_grammar_bytes (64 KiB)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -9,6 +9,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from schemas import DEAD_END
 from server import serve
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": {
@@ -20,9 +21,6 @@ TOOLS = {"get_weather": WEATHER, "get_time": TIME}
 PERSON = {"type": "object", "required": ["name", "age"], "additionalProperties": False, "properties": {
     "name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-# A schema that matches '{"a": ' and then nothing: the grammar reaches a dead end mid-output.
-DEAD_END = {"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}, "required": ["a"],
-            "$defs": {"x": {"$ref": "#/$defs/x"}}}
 
 
 @pytest.fixture(scope="module")
