@@ -82,8 +82,8 @@ class Grammars:
             masks &= self._json_tokens
         # Its requests could only fail (or, for JSON, end empty, which is no JSON value): refuse them up front.
         if not self.allows_any(masks[0], self._stop_token_ids if grammar.kind == "json" else ()):
-            raise GrammarError("the grammar matches no output at all (a $ref that only refers to itself, say, an "
-                               "empty anyOf, or an empty character class)")
+            raise GrammarError("the grammar matches no output at all (an empty anyOf, say, or an empty character "
+                               "class)")
         return compiled
 
     def _start_compiler(self, xgr) -> None:
