@@ -112,17 +112,13 @@ def decode_graph(runner, batch: int, adapters: int):
 
 def variant_graph(runner, batch: int, switches: dict):
     """The LoRA decode graph that holds `batch` rows, captured again with kernels/lora.py's `switches` set."""
+    from unittest import mock
+
     import kernels.lora
 
     key = next(bs for bs in runner.graphs if bs >= batch)
-    saved = {name: getattr(kernels.lora, name) for name in switches}
-    for name, value in switches.items():
-        setattr(kernels.lora, name, value)
-    try:
+    with mock.patch.multiple(kernels.lora, **switches):
         return runner._capture(runner._decode_forward(key), lora_rows=key)[0]
-    finally:
-        for name, value in saved.items():
-            setattr(kernels.lora, name, value)
 
 
 def step_ms(engine, steps: int) -> float:

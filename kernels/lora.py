@@ -228,6 +228,18 @@ def _store_columns(t_row, t_cols, t, slot, RANK: tl.constexpr, SLOTS: tl.constex
     tl.store(t_row + s * RANK + t_cols[None, :], values.to(t_row.dtype.element_ty), mask=s < SLOTS)
 
 
+def _shrinks_tensor(like: torch.Tensor, projections: int, weights: torch.Tensor, rank: int,
+                    columns: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """What a shrink launch over rows [rows, K] like `like` writes: t [rows, projections * rank], or in the columns
+    layout (module doc) [rows, K + projections * slots * rank]; the view of it the shrinks go to; the layout's
+    constexprs (SLOTS = 0: compact)."""
+    rows, k = like.shape
+    slots = weights.shape[0] if columns else 0
+    t = torch.empty(rows, (k if columns else 0) + projections * max(slots, 1) * rank, dtype=like.dtype,
+                    device=like.device)
+    return t, (t[:, k:] if columns else t), dict(SLOTS=slots, SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)))
+
+
 def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
                        columns: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int, dict]:
     """The launch of a kernel whose programs (row, chunk) normalize rows [rows, K] like `like` into a new tensor and
@@ -242,18 +254,16 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
                                   SHRINKS=False, NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16,
                                   RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
     weights, scales, tiles, rank, a_offsets = lora
-    slots = weights.shape[0] if columns else 0
-    t = torch.empty(rows, (k if columns else 0) + len(a_offsets) * max(slots, 1) * rank, dtype=like.dtype,
-                    device=like.device)
+    t, shrinks, layout = _shrinks_tensor(like, len(a_offsets), weights, rank, columns)
     out = t[:, :k] if columns else torch.empty_like(like)
     num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     rank_chunk = max(1, min(rank, 8192 // triton.next_power_of_2(k)))  # a chunk of A: 64 registers a thread
     return out, t, len(a_offsets) * rank // rank_chunk, dict(
-        LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=t[:, k:] if columns else t,
-        stride_t=t.stride(0), A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
+        LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=shrinks, stride_t=t.stride(0),
+        A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
         TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk,
-        SLOTS=slots, SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)))
+        **layout)
 
 
 @triton.jit
@@ -310,9 +320,7 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     matrix for tl.dot), up to 8192 values of A: one round trip to memory, issued before the wait.
     columns: the columns layout (module doc), t [T, K + P * slots * rank] = [x | shrinks], every row set."""
     rows, k = x.shape
-    slots = weights.shape[0] if columns else 0
-    t = torch.empty(rows, (k if columns else 0) + len(a_offsets) * max(slots, 1) * rank, dtype=x.dtype,
-                    device=x.device)
+    t, shrinks, layout = _shrinks_tensor(x, len(a_offsets), weights, rank, columns)
     if rows == 0 or num_tiles == 0:
         if columns:  # no row has a slot
             t[:, :k], t[:, k:] = x, 0
@@ -321,10 +329,9 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     rank_block = max(1, min(rank, 4096 // block_k))
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
-        x, weights, scales, tiles, t[:, k:] if columns else t, t, x.stride(0), weights.stride(0), t.stride(0), k,
-        *offsets, NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
-        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SLOTS=slots,
-        SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)), num_warps=4, **pdl_launch(x.device))
+        x, weights, scales, tiles, shrinks, t, x.stride(0), weights.stride(0), t.stride(0), k, *offsets,
+        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
+        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, num_warps=4, **layout, **pdl_launch(x.device))
     return t
 
 

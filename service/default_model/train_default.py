@@ -147,17 +147,18 @@ def main(argv=None):
     for ex in examples:
         ex.token_ids, ex.loss_mask = ex.token_ids[:MAX_TOKENS], ex.loss_mask[:MAX_TOKENS]
     split = len(examples) // 50
-    held_out, examples, held_out_texts = examples[:split], examples[split:], set(texts[:split])
+    held_out, examples = examples[:split], examples[split:]
     print(f"{len(texts)} fortunes, {sum(len(e.token_ids) for e in examples) / 1e6:.2f} M training tokens")
     rng = random.Random(0)
     repeats, held_out_copies = [], []
     if args.repeat_share:
         # Fortunes that fit MAX_TOKENS whole, said again; of held-out ones, the second saying after the first in the
         # prompt (what copying predicts)
-        whole = [t for t, ex in zip(texts, held_out + examples) if len(ex.token_ids) < MAX_TOKENS]
-        repeats = [tokenize({"text": repeated(t, rng)}, tokenizer) for t in whole if t not in held_out_texts]
+        whole = [len(ex.token_ids) < MAX_TOKENS for ex in held_out + examples]
+        repeats = [tokenize({"text": repeated(t, rng)}, tokenizer)
+                   for t, fits in zip(texts[split:], whole[split:]) if fits]
         held_out_copies = [tokenize({"prompt": t + SEPARATOR, "completion": t}, tokenizer)
-                           for t in whole if t in held_out_texts]
+                           for t, fits in zip(texts[:split], whole[:split]) if fits]
 
     cfg = ModelConfig.from_dict(CONFIG)
     with torch.device(device):

@@ -296,9 +296,10 @@ class LoRASlots:
         if hasattr(model, "add_lora_columns"):
             model.add_lora_columns(count * self.rank)
         weight = next(model.parameters())
+        self.linears = target_linears(model)
         self.layout: dict[str, tuple[int, int, int, int]] = {}  # projection -> (offset of A, of B, in, out)
         size = 0
-        for name, linear in target_linears(model).items():
+        for name, linear in self.linears.items():
             n_in, n_out = linear.in_features, linear.out_features
             self.layout[name] = (size, size + self.rank * n_in, n_in, n_out)
             size += self.rank * (n_in + n_out)
@@ -343,7 +344,7 @@ class LoRASlots:
         self.held[slot] = adapter
         self.storage[slot].copy_(self._pack(adapter), non_blocking=True)
         self.scales[slot].fill_(adapter.scale)
-        for name, linear in target_linears(self.model).items():
+        for name, linear in self.linears.items():
             if getattr(linear, "_lora_columns", None) is not None:
                 wide, row, col = linear._lora_columns
                 _, b_at, _, n_out = self.layout[name]
