@@ -164,7 +164,8 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
 
 
-@pytest.mark.parametrize("rows,k,widths,slots", [(23, 200, (96,), 4), (40, 300, (64, 32, 32), 8), (17, 96, (48,), 1)])
+@pytest.mark.parametrize("rows,k,widths,slots", [(23, 200, (96,), 4), (40, 300, (64, 32, 32), 8), (17, 96, (48,), 1),
+                                                 (20, 1100, (32,), 2)])
 def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots):
     """lora_shrink(columns=True), as o and down take it past decode_linear's rows: x copied beside its shrinks,
     rows of no slot (a third of them) with zeros."""
