@@ -6,9 +6,8 @@ import torch
 
 def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 50, warmup_s: float = 0.05) -> float:
     """GPU milliseconds of one replay of a captured CUDA graph: CUDA events around back-to-back replays, after
-    replaying it for warmup_s. A GPU left idle by host-side work (a benchmark's setup, the engine finishing its
-    requests) runs its first milliseconds of work slower: with three replays to warm up, the first graph timed
-    after such a pause read 4-10% slower than the same graph timed again (H200, decode graphs of 1-256 rows)."""
+    replaying it for warmup_s. Graphs timed right after engine steps can read slower than after another capture
+    (benchmarks/lora.py's doc): compare graphs timed in the same state."""
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
         for _ in range(5):
