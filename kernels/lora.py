@@ -26,7 +26,8 @@ projection group's weight carries every slot's B as extra columns (service/model
 p's B of slot s at columns K + (p * slots + s) * R, zeros in the other projections' rows), and the shrinks are
 written beside the input in the same order, each row's in its own slot's columns and zeros in the others' (the
 norms' and lora_shrink's `columns`): one GEMM over [x | shrinks] then adds every row's update, for the cost of
-reading projections * slots * R more columns of each weight row, and one launch for each of o and down.
+reading projections * slots * R more columns of each weight row, and one launch for o (down's shrinks come from the
+launch that computes its input, the SwiGLU gate: lora_shrink's `up`).
 """
 import numpy as np
 import torch
@@ -267,10 +268,22 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
 
 
 @triton.jit
-def _shrink_kernel(X, W, SCALES, TILES, T, XO, stride_x, stride_w, stride_t, K, A0, A1, A2,
+def _input_block(X, UP, row, stride_x, stride_up, k, mask, SILU: tl.constexpr):
+    """A block of a row of the shrink's input: X's; SILU: the SwiGLU gate silu(X) * UP of the gate and up rows
+    there, rounded to X's dtype as kernels.elementwise.silu_mul rounds it."""
+    x = tl.load(X + row * stride_x + k, mask=mask, other=0.0)
+    if SILU:
+        gate = x.to(tl.float32)
+        up = tl.load(UP + row * stride_up + k, mask=mask, other=0.0).to(tl.float32)
+        x = (gate * tl.sigmoid(gate) * up).to(X.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _shrink_kernel(X, UP, W, SCALES, TILES, T, XO, stride_x, stride_up, stride_w, stride_t, K, A0, A1, A2,
                    NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PADDED: tl.constexpr,
-                   PDL: tl.constexpr):
+                   SILU: tl.constexpr, PDL: tl.constexpr):
     row, part = tl.program_id(0), tl.program_id(1)
     a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
     r = tl.program_id(2) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
@@ -289,7 +302,7 @@ def _shrink_kernel(X, W, SCALES, TILES, T, XO, stride_x, stride_w, stride_t, K, 
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+    x = _input_block(X, UP, row, stride_x, stride_up, k, k < k_end, SILU)
     if SLOTS > 0:
         if copies:
             tl.store(XO + row * stride_t + k, x, mask=k < K)
@@ -297,7 +310,7 @@ def _shrink_kernel(X, W, SCALES, TILES, T, XO, stride_x, stride_w, stride_t, K, 
     for k0 in range(BLOCK_K, K, BLOCK_K):  # K past one block (BLOCK_K is all of it up to 8192)
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k[None, :], mask=k[None, :] < a_end, other=0.0)
-        x = tl.load(X + row * stride_x + k, mask=k < k_end, other=0.0)
+        x = _input_block(X, UP, row, stride_x, stride_up, k, k < k_end, SILU)
         if SLOTS > 0:
             if copies:
                 tl.store(XO + row * stride_t + k, x, mask=k < K)
@@ -312,17 +325,23 @@ def _shrink_kernel(X, W, SCALES, TILES, T, XO, stride_x, stride_w, stride_t, K, 
 
 
 def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
-                a_offsets: list[int], num_tiles: int, columns: bool = False) -> torch.Tensor:
+                a_offsets: list[int], num_tiles: int, columns: bool = False, up: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """The shrinks of a few rows (a decode step's), each computed once: t [T, P * rank] in x's dtype, for each row
     of a slot s (listed in the first num_tiles of tiles) and each projection p (A_s at a_offsets[p] of the slot's
     row of weights, up to three): scale_s * x A_s^T at columns [p * rank, + rank). A row in no tile is left unset.
     Each program reads one row's A over all of K for a few of its ranks with CUDA cores (one row of x is no
     matrix for tl.dot), up to 8192 values of A: one round trip to memory, issued before the wait.
-    columns: the columns layout (module doc), t [T, K + P * slots * rank] = [x | shrinks], every row set."""
+    columns: the columns layout (module doc), t [T, K + P * slots * rank] = [x | shrinks], every row set.
+    up: x is the gate and up the up projection of a SwiGLU MLP (rows of equal shape, column slices of the fused
+    gate-up output): the shrinks are those of silu(x) * up, which the columns layout also holds (the launch of
+    kernels.elementwise.silu_mul saved)."""
     rows, k = x.shape
     t, shrinks, layout = _shrinks_tensor(x, len(a_offsets), weights, rank, columns)
     if rows == 0 or num_tiles == 0:
         if columns:  # no row has a slot
+            if up is not None:  # rounded once, as the kernel rounds it
+                x = (x.float() * torch.sigmoid(x.float()) * up.float()).to(x.dtype)
             t[:, :k], t[:, k:] = x, 0
         return t
     # Up to a tile of rows all of K is one block, each program a rank or a few, its A loads issued before the wait.
@@ -332,9 +351,11 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     rank_block = max(1, min(rank, 4096 // block_k))
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
-        x, weights, scales, tiles, shrinks, t, x.stride(0), weights.stride(0), t.stride(0), k, *offsets,
+        x, x if up is None else up, weights, scales, tiles, shrinks, t, x.stride(0),
+        x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), k, *offsets,
         NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
-        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, num_warps=4, **layout, **pdl_launch(x.device))
+        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=4, **layout,
+        **pdl_launch(x.device))
     return t
 
 

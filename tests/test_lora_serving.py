@@ -13,6 +13,7 @@ from kernels.lora import lora_add_, lora_add_ref, lora_shrink, lora_tiles, max_t
 from service.engine.llm import LLM
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
+from service.model.layers import silu_mul_ref
 from service.model.lora import Adapter, LoRAConfig, add_adapter
 from service.protocol import SamplingParams
 from tests.helpers import random_slots, rel_err
@@ -164,21 +165,31 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
 
 
-@pytest.mark.parametrize("rows,k,widths,slots", [(23, 200, (96,), 4), (40, 300, (64, 32, 32), 8), (17, 96, (48,), 1),
-                                                 (20, 1100, (32,), 2)])
-def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots):
+@pytest.mark.parametrize("rows,k,widths,slots,silu", [(23, 200, (96,), 4, False), (40, 300, (64, 32, 32), 8, False),
+                                                      (17, 96, (48,), 1, False), (20, 1100, (32,), 2, False),
+                                                      (23, 200, (96,), 4, True), (20, 1100, (32,), 2, True)])
+def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots, silu):
     """lora_shrink(columns=True), as o and down take it past decode_linear's rows: x copied beside its shrinks,
-    rows of no slot (a third of them) with zeros."""
+    rows of no slot (a third of them) with zeros. silu: the input is silu(gate) * up of two column slices of one
+    tensor (down's, from the fused gate-up output), computed in the same launch."""
     r = 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
         gen = torch.Generator().manual_seed(rows + k)
         weights, scales, parts = random_slots(widths, k, slots, r, device, dtype, gen)
         x = torch.randn(rows, k + 7, generator=gen).to(device, dtype)[:, :k]  # a view, as attention's output may be
+        up = None
+        if silu:
+            gate_up = torch.randn(rows, 2 * k, generator=gen).to(device, dtype)
+            x, up = gate_up[:, :k], gate_up[:, k:]
         row_slots = np.where(np.arange(rows) % 3 == 1, -1, np.arange(rows) % slots).astype(np.int32)
         tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
-        t = lora_shrink(x, weights, scales, tiles, r, [a for _, a, _ in parts], max_tiles(rows, slots), columns=True)
+        t = lora_shrink(x, weights, scales, tiles, r, [a for _, a, _ in parts], max_tiles(rows, slots), columns=True,
+                        up=up)
         assert t.shape == (rows, k + len(widths) * slots * r)
-        assert_columns(t, x, weights, scales, parts, row_slots, r, 1e-5 if dtype == torch.float32 else 2e-2)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        if silu:  # within rounding of the reference (its sigmoid is not Triton's), and the shrinks of what it wrote
+            torch.testing.assert_close(t[:, :k], silu_mul_ref(x.float(), up.float()).to(dtype), atol=tol, rtol=tol)
+        assert_columns(t, t[:, :k] if silu else x, weights, scales, parts, row_slots, r, tol)
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
@@ -237,7 +248,7 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     from torch.nn import functional as F
 
     from kernels import lora
-    from service.model.layers import fused_projection, silu_mul_ref
+    from service.model.layers import fused_projection
     from service.model.loader import load_model
     from service.model.lora import LoRASlots, add_slot_updates, serving_slots, slot_columns, slot_shrinks
 
@@ -290,6 +301,17 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
         check((mlp.gate_proj, mlp.up_proj), mlp.gate_up_weight, None, randn(hidden), silu=True,
               norm=layer.post_attention_layernorm)
         check((mlp.down_proj,), mlp.down_proj.weight, None, randn(mlp.down_proj.in_features))
+        # The whole MLP: down's shrinks come from the launch that computes the SwiGLU gate
+        x, _, shrunk = layer.post_attention_layernorm.add(None, randn(hidden), True,
+                                                          slot_shrinks(rows, mlp.gate_proj, mlp.up_proj))
+        got = mlp._forward_fused(x, shrunk)
+        gate, up = F.linear(x, mlp.gate_proj.weight), F.linear(x, mlp.up_proj.weight)
+        base = F.linear(silu_mul_ref(gate, up), mlp.down_proj.weight)
+        add_slot_updates(x, (mlp.gate_proj, gate), (mlp.up_proj, up))
+        h = silu_mul_ref(gate, up)
+        want = F.linear(h, mlp.down_proj.weight)
+        add_slot_updates(h, (mlp.down_proj, want))
+        assert rel_err(got, want) < tol and rel_err(got, base) > 10 * tol
 
 
 @pytest.mark.parametrize("count,max_loras", [(1, 8), (8, 8), (5, 2)])  # (5, 2): adapters take turns in 2 slots

@@ -89,19 +89,21 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
         x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
 
 
-def shrink_launched(rows: int, k: int, parts: int, columns: bool = False) -> str:
+def shrink_launched(rows: int, k: int, parts: int, columns: bool = False, silu: bool = False) -> str:
     """kernels.lora.lora_shrink of `rows` bf16 rows, K = k, for `parts` projections of rank 16 over 8 slots (in the
-    columns layout where `columns`)."""
+    columns layout where `columns`; of silu(gate) * up, slices of one gate-up tensor, where `silu`)."""
     import numpy as np
     import torch
 
     import kernels.lora as module
 
-    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    gate_up = torch.randn(rows, 2 * k, dtype=torch.bfloat16)
+    x, up = gate_up[:, :k], gate_up[:, k:] if silu else None
     weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
     tiles = torch.from_numpy(module.lora_tiles(np.arange(rows) % 8, module.max_tiles(rows, 8)))
     return launched_ptx(module, "_shrink_kernel", lambda: module.lora_shrink(
-        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8), columns), PDL=True)
+        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8), columns, up=up),
+        PDL=True)
 
 
 def decode_split_ptx(rope: bool, merge: bool) -> str:
@@ -175,11 +177,12 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
     assert "mma" in ptx and "ld.local" not in ptx
 
 
-@pytest.mark.parametrize("rows,k,parts,columns", [(1, 896, 3, False), (16, 4864, 1, False), (40, 896, 1, True),
-                                                 (64, 4864, 1, True)])
-def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns):
+@pytest.mark.parametrize("rows,k,parts,columns,silu", [(1, 896, 3, False, False), (16, 4864, 1, False, False),
+                                                      (40, 896, 1, True, False), (64, 4864, 1, True, False),
+                                                      (64, 4864, 1, True, True)])
+def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, silu):
     """The slots' A is read before the wait on the kernel before (it is written before the step), x after it."""
-    ptx = compiled("shrink_launched", rows, k, parts, columns)
+    ptx = compiled("shrink_launched", rows, k, parts, columns, silu)
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 

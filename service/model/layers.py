@@ -11,8 +11,8 @@ launch per fused weight with the bias, the SwiGLU gate and the rows' LoRA expand
 RMSNorm before q/k/v and gate-up, RMSNorm.add, or in a launch before o and down, kernels.lora.lora_shrink); more
 rows run one cuBLAS GEMM per fused weight. Up to kernels.lora.COLUMNS_MAX_ROWS rows that GEMM also adds the slots'
 updates: the weight carries every slot's B beside it and the input its rows' shrinks (the slots' columns,
-service.model.lora.slot_columns; from the norm for q/k/v and gate-up, from one lora_shrink launch for o and down);
-past them kernels.lora.lora_add_ adds them after the GEMM.
+service.model.lora.slot_columns; from the norm for q/k/v and gate-up, from one lora_shrink launch for o, and for
+down from the launch that computes the SwiGLU gate); past them kernels.lora.lora_add_ adds them after the GEMM.
 """
 import math
 
@@ -167,11 +167,7 @@ class MLP(nn.Module):
     def forward(self, x, shrunk=None):
         """shrunk: the LoRA shrinks of gate and up, computed by the norm before (RMSNorm.add), on the fused path."""
         if fused_inference(self, "gate_up_weight", x):
-            hidden = fused_projection(x, self.gate_up_weight, None, (self.gate_proj, self.up_proj), silu=True,
-                                      shrunk=shrunk)
-            # One rank: the residual add that follows sums the down projection's partial sums (kernels/elementwise.py)
-            down = fused_projection(hidden, self.down_proj.weight, None, (self.down_proj,), partials=self.tp.size == 1)
-            return all_reduce(down, self.tp)
+            return self._forward_fused(x, shrunk)
         gate, up = self.gate_proj(x), self.up_proj(x)
         add_slot_updates(x, (self.gate_proj, gate), (self.up_proj, up))
         if _train_kernels(gate):
@@ -184,6 +180,17 @@ class MLP(nn.Module):
             hidden = silu_mul_ref(gate, up)
         down = self.down_proj(hidden)
         add_slot_updates(hidden, (self.down_proj, down))  # before the all-reduce: this rank's share of the sum
+        return all_reduce(down, self.tp)
+
+    def _forward_fused(self, x, shrunk=None):
+        """The fused projections. Where down takes the slots' columns, the SwiGLU's launch also writes down's
+        shrinks beside its result (fused_projection's `feeds`)."""
+        hidden = fused_projection(x, self.gate_up_weight, None, (self.gate_proj, self.up_proj), silu=True,
+                                  shrunk=shrunk, feeds=(self.down_proj,))
+        n = self.down_proj.in_features
+        # One rank: the residual add that follows sums the down projection's partial sums (kernels/elementwise.py)
+        down = fused_projection(hidden[:, :n], self.down_proj.weight, None, (self.down_proj,),
+                                partials=self.tp.size == 1, shrunk=hidden if hidden.shape[1] > n else None)
         return all_reduce(down, self.tp)
 
 
@@ -218,13 +225,15 @@ def fuse_linears(*linears: nn.Linear, lora_columns: int = 0) -> tuple[torch.Tens
     return wide[:, :k], bias
 
 
-def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None):
+def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None, feeds=()):
     """Inference on CUDA: the projections `linears` of input x [rows, in], whose weights are the rows of the fused
     `weight` (fuse_linears), with the LoRA updates of the rows' slots; silu: linears are gate and up, and the
     result is the SwiGLU gate silu(gate) * up. partials: the result may come as float32 partial sums [splits, rows,
     out] (kernels.decode_linear), for a consumer that adds them up (RMSNorm.add). shrunk: the rows' LoRA shrinks,
     already computed by the norm that produced x (RMSNorm.add); where the rows take the slots' columns
-    (service.model.lora.slot_columns), [x | shrinks] in their layout."""
+    (service.model.lora.slot_columns), [x | shrinks] in their layout. feeds: with silu, the projections that read
+    the result (down); where they take the slots' columns, the result is [silu(gate) * up | their shrinks] in that
+    layout, from one launch (service.model.lora.slot_columns_input)."""
     from kernels.decode_linear import MAX_ROWS, decode_linear
     if x.shape[0] <= MAX_ROWS:
         return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials,
@@ -242,5 +251,7 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
         add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
     if silu:
         from kernels.elementwise import silu_mul
+        if feeds and slot_columns(feeds, x.shape[0], normed=False) is not None:
+            return slot_columns_input(parts[0], feeds, up=parts[1])
         return silu_mul(*parts)
     return y

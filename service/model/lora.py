@@ -436,14 +436,15 @@ def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
     return columns[0] if normed or lora.COLUMNS_SHRINK_LAUNCH else None
 
 
-def slot_columns_input(x: torch.Tensor, linears) -> torch.Tensor:
+def slot_columns_input(x: torch.Tensor, linears, up: torch.Tensor | None = None) -> torch.Tensor:
     """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down): one
-    kernels.lora.lora_shrink launch."""
+    kernels.lora.lora_shrink launch. up: x is the gate and up the up projection of the SwiGLU whose result
+    silu(x) * up the projections read (down), computed in the same launch."""
     from kernels.lora import lora_shrink, used_tiles
 
     weights, scales, tiles, rank, parts = slot_lora(linears)
     return lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts],
-                       used_tiles(tiles, x.shape[0], weights.shape[0]), columns=True)
+                       used_tiles(tiles, x.shape[0], weights.shape[0]), columns=True, up=up)
 
 
 def eager_adapters_active() -> bool:
