@@ -149,8 +149,8 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
             graph = decode_graph(engine.runner, batch, count) if engine.device.type == "cuda" else None
             if graph is not None:
                 row["graph_ms"] = replay_ms(graph)
-                if batch == 1:  # where the adapters' time goes
-                    row["kernel_us"] = replay_kernel_us(graph)
+                if batch in (1, 64):  # where the adapters' time goes (to and past decode_linear's rows)
+                    row["kernel_us"] = replay_kernel_us(graph, top=24)
                 if count and batch > MAX_ROWS:
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, switches))
                                        for name, switches in VARIANTS.items()}
@@ -348,7 +348,7 @@ def decode(args, device: str, commit: str) -> dict:
                   f"{r['variants_x'][name]:.2f}x as shipped (captured again)")
     for r in rows:
         if "kernel_us" in r:
-            print(f"batch 1, {r['adapters']} adapters, GPU us per replay by kernel:", json.dumps(
+            print(f"batch {r['batch']}, {r['adapters']} adapters, GPU us per replay by kernel:", json.dumps(
                 {k: round(v, 1) for k, v in r["kernel_us"].items()}))
     return {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "rank": args.rank, "weights": "random (Qwen2.5-0.5B shape on the GPU): times only", "decode": rows}
