@@ -244,10 +244,10 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
         if wide.shape[1] != columns.shape[1]:
             raise ValueError(f"input of {wide.shape[1]} columns for a weight of {columns.shape[1]}")
         y = F.linear(wide, columns, bias)
-        parts = y.split([linear.out_features for linear in linears], dim=1)
     else:
         y = F.linear(x, weight, bias)
-        parts = y.split([linear.out_features for linear in linears], dim=1)
+    parts = y.split([linear.out_features for linear in linears], dim=1)
+    if columns is None:
         add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
     if silu:
         from kernels.elementwise import silu_mul
