@@ -22,7 +22,9 @@ Every --interval seconds it records the RSS of every process of the service, GPU
 the stream, chat, leave and adapter kinds: a grammar's compile or n interleaved choices would blur them). At the end
 the load stops, the server must go idle, and the run passes when no good request failed, no bad request got a
 5xx, the gauges are back to 0, the job succeeded, and memory is flat: from the job's end on, the median of the last
-third of the samples within max(5%, 64 MiB) of the first third's (host RSS and GPU memory alike). Writes soak.json
+third of the samples within max(5%, 64 MiB) of the first third's (host RSS and GPU memory alike); on the GPU also
+when ITL p50 over the intervals after the job succeeded (its model on a share of the requests) is within 1.2x of
+the intervals before the job started (`adapters_itl`, issue 31's bound). Writes soak.json
 (outcomes per interval and per kind) and soak.png to --out, prints a line per sample and a verdict, and exits 1
 when the run failed.
 """
@@ -57,6 +59,7 @@ KINDS = {"stream": 0.37, "chat": 0.18, "plain": 0.08, "leave": 0.08, "bad": 0.1,
 SURFACE = ("structured", "tools", "fan_out", "logit_bias")  # the kinds surface_request makes
 GAUGES = ("llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio")
 FLAT_SLACK = (0.05, 64 << 20)  # relative, absolute bytes
+ITL_BOUND_X = 1.2  # ITL p50 once the fine-tuned model serves, against before the job (GPU runs)
 TRAINING = [{"prompt": f"w{i} w{i + 1} w{i + 2}", "completion": " w7 w8 w9 w10"} for i in range(24)]
 SCHEMAS = [  # small: on the CPU most finish within 16 tokens
     {"type": "object", "required": ["mood", "ok"], "properties": {"mood": {"enum": ["happy", "sad"]},
@@ -494,6 +497,16 @@ def _flat(values: list[float]) -> tuple[bool, str]:
     return last - first <= slack, f"first third {first / 2**20:.0f} MiB, last third {last / 2**20:.0f} MiB"
 
 
+def adapter_itl(samples: list[dict], itl: np.ndarray) -> dict:
+    """ITL p50 of the intervals before the fine-tuning job started (no adapter, no training) and of those after it
+    succeeded (its model takes a share of the requests), from the per-interval histograms, and their ratio."""
+    before = [i for i, s in enumerate(samples) if s["job"] == "pending"]
+    live = [i for i, s in enumerate(samples) if s["job"] == "succeeded"]
+    p50 = [percentile_ms(itl[idx].sum(0), 0.5) if idx else None for idx in (before, live)]
+    return {"before_job_p50_ms": p50[0], "adapter_live_p50_ms": p50[1], "intervals": [len(before), len(live)],
+            "x": p50[1] / p50[0] if None not in p50 else None}
+
+
 def summarize(args, samples, tallies, job, final, idle_after, startup, info, model, json_outputs) -> dict:
     intervals = len(samples)
     counts: dict[str, np.ndarray] = {}
@@ -531,6 +544,10 @@ def summarize(args, samples, tallies, job, final, idle_after, startup, info, mod
     }
     if gpu is not None:
         checks["GPU memory flat"] = _flat(gpu)
+    adapters_itl = adapter_itl(samples, itl)
+    if args.device == "cuda":  # issue 31's bound (a CPU soak's few intervals are too noisy for it)
+        checks["ITL p50 with adapter traffic within 1.2x of before the job"] = (
+            adapters_itl["x"] is not None and adapters_itl["x"] <= ITL_BOUND_X, json.dumps(adapters_itl))
     checks = {k: {"ok": bool(ok), "detail": detail} for k, (ok, detail) in checks.items()}
     import torch
     return {
@@ -538,7 +555,7 @@ def summarize(args, samples, tallies, job, final, idle_after, startup, info, mod
         "model": model, "max_model_len": info["max_total_tokens"], "startup": startup,
         "git_commit": git_commit(), "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__, "json_outputs": json_outputs, "totals": total, "kinds": kinds, "job": job,
-        "samples": samples,
+        "adapters_itl": adapters_itl, "samples": samples,
         "errors": [e for t in tallies for e in t["errors"]][:100],
         "verdict": {"passed": all(c["ok"] for c in checks.values()), "checks": checks},
     }

@@ -25,3 +25,6 @@ def test_a_short_soak_passes_on_the_cpu(tmp_path):
     assert result["json_outputs"] and {"structured", "tools", "fan_out", "logit_bias"} <= set(result["kinds"])
     sample = result["samples"][-1]
     assert sample["rss_bytes"] > 0 and sample["job"] == "succeeded" and sample["ttft_p99_ms"] is not None
+    # ITL once the fine-tuned model serves, against before the job (a verdict check on the GPU only)
+    itl = result["adapters_itl"]
+    assert itl["intervals"][1] >= 1 and sum(itl["intervals"]) <= 8 and itl["adapter_live_p50_ms"] > 0
