@@ -2,8 +2,8 @@
 its GPU time, the host time of one call of our varlen attention, the host ops that cost most (torch.profiler),
 and the engine's own time to first token (add_request to the first sampled token, prefill graphs included) with
 where its host time goes. Decode: the wall time of overlapped steps at a few batch sizes and the Python functions
-that cost most (cProfile), to set against the decode graph's GPU time; and at batch 64 with 3 sequences on a LoRA
-adapter.
+that cost most (cProfile), to set against the decode graph's GPU time (timed right after the steps, and again after
+an eager forward: decode_profile); and at batch 64 with 3 sequences on a LoRA adapter.
 
 Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes, the kernels a decode step
 launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
@@ -127,8 +127,10 @@ def prefill_and_decode(n: int) -> dict:
     result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, 64, adapter_rows=3)
     print(table)
     for batch, d in decode.items():
-        print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step\n{d['profile']}")
+        print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step; its graph {d['graph_ms']['after_steps']:.3f} "
+              f"ms after steps, {d['graph_ms']['after_eager_forward']:.3f} after an eager forward\n{d['profile']}")
     result["decode_step_ms"] = {batch: d["step_ms"] for batch, d in decode.items()}
+    result["decode_graph_ms"] = {batch: d["graph_ms"] for batch, d in decode.items()}
     print(json.dumps(result, indent=1))
     del llm
     torch.cuda.empty_cache()
@@ -451,7 +453,10 @@ def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) ->
 
 
 def decode_profile(llm, batch: int, steps: int = 200) -> dict:
-    """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile."""
+    """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile,
+    then the GPU time of the step's graph replayed right after them and again after one eager forward of the same
+    inputs: the two differed on an H200 (c28a8ee: 0.744 / 0.714 ms at batch 1, 1.097 / 1.018 at 64), and served
+    steps run in the first state. (The replays rewrite the last step's cache slots; the requests end here.)"""
     engine = llm.engine
     step_ms = _decode_steps(engine, batch, steps)
     profile = cProfile.Profile()
@@ -461,8 +466,14 @@ def decode_profile(llm, batch: int, steps: int = 200) -> dict:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    runner = engine.runner
+    key = next(bs for bs in runner.graphs if bs >= batch)
+    graph_ms = {"after_steps": replay_ms(runner.graphs[key])}
+    with torch.inference_mode():
+        runner._decode_forward(key)()
+    graph_ms["after_eager_forward"] = replay_ms(runner.graphs[key])
     _finish(engine)
-    return {"step_ms": step_ms, "profile": text.getvalue()[-3500:]}
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "profile": text.getvalue()[-3500:]}
 
 
 if __name__ == "__main__":
