@@ -440,7 +440,7 @@ def _finish(engine) -> None:
 
 def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) -> float:
     """Mean decode step at this batch when adapter_rows of its sequences ask for a (random, rank 8) LoRA adapter,
-    against decode_profile's steps without: a step with an adapter runs eagerly, with the adapter's hooks."""
+    against decode_profile's steps without: a step with an adapter replays the LoRA graphs (the adapter in a slot)."""
     from service.model.lora import Adapter, LoRAConfig, add_adapter
 
     engine = llm.engine
