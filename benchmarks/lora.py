@@ -16,10 +16,10 @@ At batch 64 and 256 with adapters also `variants`: the graph_ms of the same grap
 with kernels/lora.py's switches set otherwise (VARIANTS): every update added after the GEMMs by
 kernels.lora.lora_add_, as steps of 17-64 rows ran before the slots' columns; the columns for q/k/v and gate-up only
 (o and down after their GEMMs); and the columns up to 256 rows (past 64, each group's shrinks from a lora_shrink
-launch). `variants_x` compares each with the shipped graph captured again, not with graph_ms: a capture changes how
-fast some graphs replay afterwards (H200, c28a8ee: the base graph of 64 rows 1.10 ms right after engine steps, 1.02
-ms after one eager forward of the same inputs; the LoRA graph unchanged), so only graphs timed after the same
-captures compare.
+launch). `variants_x` compares each with the shipped graph captured again, not with graph_ms: graphs replay faster
+after a capture (whose warm-up is an eager forward) than right after engine steps (H200, c28a8ee: the base graph of
+64 rows 1.10 ms right after engine steps, 1.02 ms after one eager forward of the same inputs; the LoRA graph 1.42
+against about 1.31), so only graphs timed after the same captures compare.
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 
