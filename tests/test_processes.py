@@ -115,21 +115,39 @@ def test_a_killed_engine_core_fails_requests_and_the_service_exits_non_zero():
         assert "llm-engine-core exited" in service.log.read_text(errors="replace")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(signum):
+@pytest.mark.parametrize("how", ["sigterm", "sigint", "sigint_after_launchers_sigterm"])
+def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(how):
     with service_process() as service:
-        body = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 48, "ignore_eos": True}}
+        body = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 150, "ignore_eos": True}}
         with httpx.stream("POST", f"{service.url}/generate_stream", json=body, timeout=60) as r:
             events = sse_events(r)
             first = json.loads(next(events))
-            # SIGINT as a terminal sends it, to the whole group; SIGTERM as an orchestrator does, to the launcher
-            if signum == signal.SIGINT:
-                os.killpg(service.process.pid, signum)
+            # SIGTERM as an orchestrator sends it, to the launcher; SIGINT as a terminal does, to the whole group.
+            # The launcher passes a signal on to its front-ends as SIGTERM, which can reach one before the group's
+            # SIGINT does: that SIGINT is still the first Ctrl-C, not a second one that forces the exit.
+            if how == "sigint_after_launchers_sigterm":
+                os.kill(children(service.process.pid)["llm-api-0"], signal.SIGTERM)
+                time.sleep(0.05)
+            if how == "sigterm":
+                service.process.send_signal(signal.SIGTERM)
             else:
-                service.process.send_signal(signum)
+                os.killpg(service.process.pid, signal.SIGINT)
             rest = [json.loads(e) for e in events]
-        assert first["index"] == 0 and rest[-1]["details"]["generated_tokens"] == 48  # finished, not cut
+        assert first["index"] == 0 and rest[-1]["details"]["generated_tokens"] == 150  # finished, not cut
         assert service.process.wait(timeout=30) == 0
+
+
+def test_a_second_ctrl_c_stops_at_once():
+    with service_process() as service:
+        with httpx.stream("POST", f"{service.url}/generate_stream", json=LONG, timeout=60) as r:
+            events = sse_events(r)
+            next(events)
+            os.killpg(service.process.pid, signal.SIGINT)
+            time.sleep(0.3)
+            os.killpg(service.process.pid, signal.SIGINT)
+            with pytest.raises(httpx.RemoteProtocolError):  # cut: no drain
+                list(events)
+        assert service.process.wait(timeout=10) == 0
 
 
 def test_requests_outlasting_the_drain_end_with_an_error_of_ours_not_a_cut():

@@ -3,6 +3,7 @@ front-ends (the kernel spreads connections over them), attached to every engine 
 import asyncio
 import contextlib
 import resource
+import signal
 import socket
 
 import uvicorn
@@ -26,16 +27,23 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain_seconds = drain_seconds
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.interrupted = False  # a SIGINT came
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig, frame) -> None:
+        """Drains on the first signal; only a second SIGINT (Ctrl-C pressed again) forces the exit. uvicorn forces
+        it on any SIGINT after any signal, but a Ctrl-C reaches the whole process group and the launcher passes it
+        on to us as SIGTERM, which now and then gets here first: that cut every stream in flight."""
         client = self.config.app.state.engine
         if self.loop is not None and client is not None and not self.should_exit:
             self.loop.call_soon_threadsafe(client.drain, self.drain_seconds)  # we are in a signal handler
+        forced = self.force_exit or (sig == signal.SIGINT and self.interrupted)
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         super().handle_exit(sig, frame)
+        self.force_exit = forced
 
     async def on_tick(self, counter: int) -> bool:
         """Whether to shut down (uvicorn then closes the listener and waits for the open connections): once asked
