@@ -108,9 +108,11 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **
         marked = None
     parts = None if marked is None else re.split(marker.format("([0-9]+)"), marked)
     pieces = parts and _pieces(text, parts, [s for _, s in fields])
-    if pieces:  # markup at even places, the client's strings at odd ones
-        return [i for j, piece in enumerate(pieces)
-                for i in tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=j % 2 == 1)]
+    if pieces:  # markup at even places, the client's strings at odd ones; one batch of each (a call per piece
+        # cost ~50 us: 10 ms for a 100-message chat, seconds for a fine-tuning file's growing prefixes)
+        markup = tokenizer(pieces[0::2], add_special_tokens=False)["input_ids"]
+        strings = tokenizer(pieces[1::2], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return [i for j in range(len(pieces)) for i in (strings if j % 2 else markup)[j // 2]]
     for field, string in fields:
         found = next((t for t in specials if t in string), None)
         if found is not None:
