@@ -110,8 +110,12 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, **
     pieces = parts and _pieces(text, parts, [s for _, s in fields])
     if pieces:  # markup at even places, the client's strings at odd ones; one batch of each (a call per piece
         # cost ~50 us: 10 ms for a 100-message chat, seconds for a fine-tuning file's growing prefixes)
-        markup = tokenizer(pieces[0::2], add_special_tokens=False)["input_ids"]
-        strings = tokenizer(pieces[1::2], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        def encode(texts, literally):
+            if not texts:  # the tokenizer refuses an empty batch
+                return []
+            return tokenizer(texts, add_special_tokens=False, split_special_tokens=literally)["input_ids"]
+
+        markup, strings = encode(pieces[0::2], False), encode(pieces[1::2], True)
         return [i for j in range(len(pieces)) for i in (strings if j % 2 else markup)[j // 2]]
     for field, string in fields:
         found = next((t for t in specials if t in string), None)

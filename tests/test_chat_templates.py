@@ -65,6 +65,13 @@ def test_a_conversation_without_special_spellings_encodes_as_hugging_face_encode
     assert encode_chat(tokenizer, messages, add_generation_prompt=True, tools=tools("")) == expected["input_ids"]
 
 
+def test_a_conversation_with_no_string_of_the_clients_encodes(tokenizer):
+    """Only markup to encode (a tool turn without content): the tokenizer refuses an empty batch of strings."""
+    messages = [{"role": "tool"}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    assert encode_chat(tokenizer, messages, add_generation_prompt=True) == expected["input_ids"]
+
+
 def test_a_template_that_rewrites_a_string_holding_a_special_spelling_is_refused():
     tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
     tokenizer.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
