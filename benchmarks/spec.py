@@ -23,6 +23,11 @@
 6. ngram_host_cost: the host's time per step for one sequence's n-gram proposal at 500 to 8,000 tokens of
    context: the proposer's index against a scan of the context (the method before it).
 
+7. backoff_policy (host only, seconds): the acceptance back-off as shipped against none, one stream, forced
+   acceptance constant or changing (a request that stops or starts copying), each step costing what section 2's
+   batch-1 row measured in this run (else H100_STEP_MS): predicted tokens/s over plain decoding. It chose the
+   back-off's constants; section 2 measures them.
+
 Sections 1, 2 and 4 run the embedded model, or with `--random-qwen` random bf16 weights in Qwen2.5-0.5B's shape
 (benchmarks/generate.py), where a step is bound by memory and speculation can pay. `--device cpu` is a smoke run
 (tiny sizes, the embedded model everywhere, CI: tests/test_spec_benchmark.py); the numbers mean something on the
@@ -37,6 +42,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -50,6 +56,7 @@ from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.engine import speculative  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.engine.scheduler import ScheduledBatch  # noqa: E402
+from service.engine.sequence import Sequence, Status  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
 DEFAULT_MIN_ACCEPTANCE = Settings.model_fields["speculative_min_acceptance"].default
@@ -113,14 +120,30 @@ def verify_cost(model: str | None, device: str, batches: list[int], ks: list[int
     return rows
 
 
+def keep_probability(alpha: float, n: int) -> float:
+    """p such that keeping each of n draft tokens with probability p, up to the first one not kept, keeps alpha n
+    of them on average ((p + p^2 + .. + p^n) / n = alpha), by bisection (the mean grows with p)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid ** i for i in range(1, n + 1)) / n < alpha else (lo, mid)
+    return hi if alpha >= 1 else lo
+
+
+def kept_tokens(rng: random.Random, p: float, n: int) -> int:
+    kept = 0
+    while kept < n and rng.random() < p:
+        kept += 1
+    return kept
+
+
 class ForcedAcceptance:
     """A proposer and a greedy verification forced to acceptance alpha (accepted / drafted tokens, as the engine
     counts it): drafts k arbitrary tokens, and in place of speculative.accept_greedy keeps each with the probability
-    p, up to the first one not kept, then takes the target's token there; p is such that a draft of n tokens keeps
-    alpha n of them on average ((p + p^2 + .. + p^n) / n = alpha). The steps are those of a proposer at acceptance
-    alpha whatever the weights (with random ones no proposer agrees with the target, and bf16 verify and decode
-    kernels round near ties apart, so drafts taken from a reference output stop matching soon); the tokens generated
-    are not the model's: times only."""
+    keep_probability(alpha, k), up to the first one not kept, then takes the target's token there. The steps are
+    those of a proposer at acceptance alpha whatever the weights (with random ones no proposer agrees with the
+    target, and bf16 verify and decode kernels round near ties apart, so drafts taken from a reference output stop
+    matching soon); the tokens generated are not the model's: times only."""
 
     def __init__(self, alpha: float, seed: int = 0):
         self.alpha, self.rng, self.keep = alpha, random.Random(seed), {}
@@ -130,16 +153,72 @@ class ForcedAcceptance:
 
     def accept(self, draft: list[int], targets: list[int]) -> list[int]:
         n = len(draft)
-        if n not in self.keep:  # bisection: the mean kept fraction grows with p
-            lo, hi = 0.0, 1.0
-            for _ in range(40):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if sum(mid ** i for i in range(1, n + 1)) / n < self.alpha else (lo, mid)
-            self.keep[n] = hi if self.alpha >= 1 else lo
-        kept = 0
-        while kept < n and self.rng.random() < self.keep[n]:
-            kept += 1
+        if n not in self.keep:
+            self.keep[n] = keep_probability(self.alpha, n)
+        kept = kept_tokens(self.rng, self.keep[n], n)
         return draft[:kept] + [targets[kept]]
+
+
+# Step costs of the backoff_policy section when the run has no forced_acceptance rows of its own: one stream on
+# the H100 at 35dff4c, ms (a plain decode step, overlapped; a speculative step of k = 4, proposal to verify).
+H100_STEP_MS = (0.84, 1.38)
+# Workloads of the backoff_policy section besides constant acceptance: (acceptance, tokens) phases of one stream.
+CHANGING = {"alternating 0 / 0.8 by 128": [(0.0, 128), (0.8, 128)] * 4, "stops copying": [(0.8, 200), (0.0, 800)],
+            "starts copying": [(0.0, 300), (0.8, 700)]}
+# The back-off's constants before 2026-11-28 (EMA weight, threshold, first and longest pause), compared beside.
+PREVIOUS_BACKOFF = (0.5, 0.1, 8, 128)
+
+
+def backoff_policy(step_ms: tuple[float, float], alphas: list[float], new_tokens: int, k: int, runs: int) -> dict:
+    """Section 7, host only: the acceptance back-off as shipped (the engine's Speculator, with its defaults),
+    with PREVIOUS_BACKOFF's constants, and none, for one stream under forced acceptance (constant, and changing as
+    CHANGING's), with a plain step and a speculative step costing step_ms: the predicted tokens/s over plain
+    decoding, the mean of `runs` seeded runs. A step paused by the back-off costs a plain step (it overlaps)."""
+    plain_ms, spec_ms = step_ms
+    shipped = (speculative.EMA_WEIGHT, DEFAULT_MIN_ACCEPTANCE, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX)
+
+    def speedup(phases: list[tuple[float, int]], constants: tuple, seed: int) -> float:
+        speculative.EMA_WEIGHT, min_acceptance, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX = constants
+        rng, total = random.Random(seed), sum(n for _, n in phases)
+        keep = [p for alpha, n in phases for p in [keep_probability(alpha, k)] * n]
+        speculator = speculative.Speculator(ForcedAcceptance(0.0), k, None, total + 2, min_acceptance)
+        seq = Sequence("policy", [0], SamplingParams(max_new_tokens=total, temperature=0.0, ignore_eos=True))
+        seq.status, ms = Status.RUNNING, 0.0
+        while (done := len(seq.token_ids) - 1) < total:
+            seq.num_computed_tokens = done
+            speculator.propose([seq])
+            kept = 0
+            if seq.draft:
+                kept = kept_tokens(rng, keep[done], len(seq.draft))
+                speculator.record(seq, len(seq.draft), kept)
+            seq.token_ids += [0] * (kept + 1)  # the kept drafts and the target's token
+            ms += spec_ms if seq.draft else plain_ms
+        return total * plain_ms / ms
+
+    workloads = {f"acceptance {alpha}": [(alpha, new_tokens)] for alpha in alphas} | CHANGING
+    sides = {"shipped": shipped, "previous": PREVIOUS_BACKOFF, "no_backoff": (shipped[0], 0.0, *shipped[2:])}
+    rows = []
+    try:
+        for name, phases in workloads.items():
+            rows.append({"workload": name, **{side: statistics.mean(speedup(phases, constants, seed)
+                                                                    for seed in range(runs))
+                                              for side, constants in sides.items()}})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        speculative.EMA_WEIGHT, _, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX = shipped
+    keys = ("ema_weight", "min_acceptance", "first_pause", "longest_pause")
+    return {"step_ms": {"plain": plain_ms, "speculative": spec_ms}, "k": k, "runs": runs,
+            **{f"{side}_constants": dict(zip(keys, c)) for side, c in sides.items() if side != "no_backoff"},
+            "rows": rows}
+
+
+def forced_step_ms(rows: list) -> tuple[float, float] | None:
+    """(plain, speculative) step ms of one stream from forced_acceptance's batch-1 row: its plain tokens/s, and
+    speculation at acceptance 0 without the back-off, where every step verifies a draft and keeps one token."""
+    row = next((r for r in rows if r["batch"] == 1 and "alpha0.0" in r), None)
+    if row is None:
+        return None
+    return 1e3 / row["plain_tokens_per_s"], 1e3 / row["alpha0.0"]["no_backoff"]["tokens_per_s"]
 
 
 def spec_totals(llm: LLM) -> tuple[int, int, int, int]:
@@ -155,7 +234,9 @@ def generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[list[list
 
 
 def forced_acceptance(model: str | None, device: str, batches: list[int], alphas: list[float], new_tokens: int,
-                      k: int) -> list:
+                      k: int, repeats: int) -> list:
+    """Each cell: the median tokens/s of `repeats` generations of the batch (a batch-1 run is a tenth of a second:
+    one run alone varied by 8%), drafts and pauses summed over them."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     rows = []
     for batch_size in batches:
@@ -164,7 +245,7 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
         # back-off), and a later run must not prefill less than the first.
         plain = LLM(model, device=device, enable_prefix_caching=False)
         generate(plain, prompts[:1], params)  # warm-up
-        _, seconds = generate(plain, prompts, params)
+        seconds = statistics.median(generate(plain, prompts, params)[1] for _ in range(repeats))
         plain.engine.close()
         del plain
         free_memory()
@@ -180,7 +261,7 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
             before = spec_totals(llm)
             greedy, speculative.accept_greedy = speculative.accept_greedy, forced.accept
             try:
-                _, seconds = generate(llm, prompts, params)
+                seconds = statistics.median(generate(llm, prompts, params)[1] for _ in range(repeats))
             finally:
                 speculative.accept_greedy = greedy
             drafts, drafted, accepted, backoffs = (now - then for now, then in zip(spec_totals(llm), before))
@@ -385,9 +466,10 @@ def main():
     parser.add_argument("--random-qwen", action="store_true", help="sections 1-2 on Qwen2.5-0.5B-shaped weights")
     parser.add_argument("--sections",
                         default="verify_cost,forced_acceptance,copy_heavy_vs_free,many_streams,draft_model,"
-                                "ngram_host_cost",
+                                "ngram_host_cost,backoff_policy",
                         help="comma list of the sections to run (each starts engines of its own)")
     parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--policy-runs", type=int, help="seeded runs per backoff_policy cell (3 on cpu, else 30)")
     args = parser.parse_args()
     random.seed(0)
     smoke = args.device == "cpu"
@@ -405,16 +487,20 @@ def main():
                                            [2, 4] if smoke else [2, 4, 8], 32 if smoke else 1024, 2 if smoke else 50),
         "forced_acceptance": lambda: forced_acceptance(model, args.device, [1] if smoke else [1, 8, 32],
                                                        [0.0, 1.0] if smoke else [0.0, 0.5, 0.8, 1.0],
-                                                       12 if smoke else 256, 4),
+                                                       12 if smoke else 256, 4, 1 if smoke else 3),
         "copy_heavy_vs_free": lambda: copy_heavy_vs_free(args.device, 2 if smoke else 32, 12 if smoke else 128, 4),
         "many_streams": lambda: many_streams(model, args.device, 4 if smoke else 128, 8 if smoke else 128,
                                              [None, 2] if smoke else [None, 64, 32, 16]),
         "ngram_host_cost": lambda: ngram_host_cost([500, 2000] if smoke else [500, 2000, 8000], 20 if smoke else 200),
         "draft_model": lambda: draft_model(DEFAULT_MODEL_DIR if smoke else tmp, not smoke, args.device,
                                            12 if smoke else 256, 4, 2 if smoke else 4),
+        "backoff_policy": lambda: backoff_policy(forced_step_ms(result.get("forced_acceptance", [])) or H100_STEP_MS,
+                                                 [0.0, 0.1, 0.2, 0.3, 0.5, 0.8, 1.0], 1024, 4,
+                                                 args.policy_runs or (3 if smoke else 30)),
     }
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     models = {"copy_heavy_vs_free": "embedded default model", "ngram_host_cost": "none (host-side lookups)",
+              "backoff_policy": "none (a model of the step costs)",
               "draft_model": "embedded default model" if smoke else "random Qwen2.5-0.5B shape"}
     result = {}
     try:

@@ -93,9 +93,9 @@ class Settings(BaseSettings):
     speculative_disable_by_batch_size: int | None = Field(16, ge=1, description="steps with this many running "
                                                           "sequences or more decode without speculation (a large "
                                                           "batch is compute-bound); more than max_num_seqs: never")
-    speculative_min_acceptance: float = Field(0.1, ge=0, le=1, description="a sequence whose average accepted "
+    speculative_min_acceptance: float = Field(0.15, ge=0, le=1, description="a sequence whose average accepted "
                                               "fraction of draft tokens falls below this stops proposing for 8 "
-                                              "tokens, twice as many after each failed retry (up to 128). 0: never")
+                                              "tokens, twice as many after each failed retry (up to 64). 0: never")
     compile_cache_dir: str = Field("~/.cache/tritonserve", description="compiled Triton kernels and autotuning "
                                    "results, kept across restarts so a warm start skips compiling and autotuning")
 

@@ -131,22 +131,33 @@ class ScriptedProposer:
 
 
 @pytest.mark.parametrize("wrong, min_acceptance, asked, pauses", [
-    # Four rejected drafts take the average (from 1.0, halved each time) below 0.1: no drafts for 8 tokens, then
-    # one try, rejected: 16 tokens, then 32 (the next try would come after the 40th token).
-    (lambda done: True, 0.1, [1, 2, 3, 4, 13, 30], 3),
+    # Nine rejected drafts take the average (from 1.0, times 0.8 each time) below 0.15: no drafts for 8 tokens,
+    # then one try, rejected: 16 tokens, then 32 (the next try would come after the 40th token).
+    (lambda done: True, 0.15, [1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 35], 3),
     # The same pause, but the try after it is accepted (k = 4, five tokens a step): it speculates every step again.
-    (lambda done: done < 10, 0.1, [1, 2, 3, 4, 13, 18, 23, 28, 33, 38], 1),
+    (lambda done: done < 10, 0.15, [1, 2, 3, 4, 5, 6, 7, 8, 9, 18, 23, 28, 33, 38], 1),
     # Copy-heavy with misses (every draft made at a multiple of 3 rejected): never paused, every step drafts.
-    (lambda done: done % 3 == 0, 0.1, [1, 6, 7, 12, 13, 18, 19, 24, 25, 30, 31, 36, 37], 0),
+    (lambda done: done % 3 == 0, 0.15, [1, 6, 7, 12, 13, 18, 19, 24, 25, 30, 31, 36, 37], 0),
     (lambda done: True, 0.0, list(range(1, 39)), 0),  # no back-off: drafts however they fare
 ], ids=["always-rejected", "copies-again", "copy-heavy", "off"])
 def test_the_acceptance_back_off_pauses_failing_drafts_and_resumes(prompts, plain, wrong, min_acceptance, asked,
                                                                   pauses):
-    llm = make_llm(**SPEC, speculative_min_acceptance=min_acceptance)
-    tokenizer, speculator = llm.tokenizer, llm.engine.speculator
+    """With async scheduling, as on the GPU: the steps of a pause (every sequence pausing together here) overlap as
+    plain decoding's do, and the others run synchronously."""
+    llm = make_llm(**SPEC, speculative_min_acceptance=min_acceptance, async_scheduling=True)
+    tokenizer, engine, speculator = llm.tokenizer, llm.engine, llm.engine.speculator
     reference = {tuple(tokenizer.encode(p)): out for p, out in zip(prompts, plain)}
     speculator.proposer = ScriptedProposer(reference, llm.engine.model.config.vocab_size, wrong)
+    run, overlapped = engine.runner.run, []
+
+    def recording_run(batch, pending):
+        overlapped.append(engine._in_flight is not None)  # launched while the step before is in flight
+        return run(batch, pending)
+
+    engine.runner.run = recording_run
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain
+    # The steps of a pause of 8 tokens after its first (which follows a verify, completed at once) overlap
+    assert (sum(overlapped) >= 7) == (pauses > 0)
     assert list(speculator.proposer.asked.values()) == [asked] * len(prompts)
     assert speculator.stats.drafts == len(asked) * len(prompts)
     assert speculator.stats.backoffs == pauses * len(prompts)

@@ -14,7 +14,8 @@ proposals need every sequence's last token on the host, so such a step first com
 step that verifies completes at once. Before it the proposer drafts tokens for decoding sequences (a draft model
 runs its own steps for them: service.engine.draft_model); the step scores them, and verification appends the
 accepted ones and the target's next token, all reported at once. Steps that do not propose (at
-`speculative_disable_by_batch_size` sequences or more) overlap as without speculation.
+`speculative_disable_by_batch_size` sequences or more, or while every sequence backs off or cannot speculate) overlap
+as without speculation.
 """
 import functools
 import gc
@@ -445,7 +446,7 @@ class LLMEngine:
         # Inference mode for the sampler too: it edits the logits in place, which are inference tensors.
         with torch.inference_mode():
             if self.speculator is not None:
-                if self._in_flight is not None and self.speculator.active(self.scheduler.running):
+                if self._in_flight is not None and self.speculator.drafting(self.scheduler.running):
                     outputs += self._complete()  # proposals read every sequence's last token
                 self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
