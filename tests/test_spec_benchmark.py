@@ -1,7 +1,7 @@
 """benchmarks/spec.py on the CPU, shortened: verify-step cost against a decode step, tokens/s at forced acceptance
-rates (with and without the acceptance back-off), the n-gram proposer on copy-heavy and free prompts, and draft
-models (the target itself, its first layers); the run must pass and its JSON carry the rows (the host side of the
-GPU benchmark cannot rot unseen)."""
+rates (with and without the acceptance back-off), the n-gram proposer on copy-heavy and free prompts, draft models
+(the target itself, its first layers) and the back-off's model; the run must pass and its JSON carry the rows (the
+host side of the GPU benchmark cannot rot unseen)."""
 import json
 import subprocess
 import sys
@@ -19,10 +19,10 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     assert all(r[f"k{k}_ms"] > 0 for r in result["verify_cost"] for k in (0, 2, 4))
     (forced,) = result["forced_acceptance"]
     assert forced["alpha0.0"]["acceptance"] == 0 and forced["alpha1.0"]["acceptance"] == 1
-    # Always rejected, the back-off pauses drafting (12 tokens: four drafts, then 8 tokens without); always
-    # accepted, it changes nothing.
+    # Always rejected, the back-off pauses drafting (12 tokens: nine drafts, then a pause); always accepted, it
+    # changes nothing.
     rejected, accepted = forced["alpha0.0"], forced["alpha1.0"]
-    assert rejected["backoffs"] == 1 and rejected["drafts"] == 4 and rejected["no_backoff"]["drafts"] == 10
+    assert rejected["backoffs"] == 1 and rejected["drafts"] == 9 and rejected["no_backoff"]["drafts"] == 10
     assert accepted["backoffs"] == 0 and accepted["drafts"] == accepted["no_backoff"]["drafts"]
     rows = result["copy_heavy_vs_free"]
     assert [(r["workload"], r["streams"]) for r in rows] == [("copy_heavy", 2), ("copy_heavy", 1), ("free", 2),
@@ -42,3 +42,9 @@ def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
     same, fewer = draft["same_checkpoint"], draft["fewer_layers"]
     assert same["acceptance"] > 0.9 and same["drafts"] and same["identical_to_plain"]
     assert fewer["drafts"] and fewer["identical_to_plain"] and fewer["tokens_per_s"] > 0
+    # The back-off's model, with this run's step costs (section 2's batch-1 row)
+    policy = result["backoff_policy"]
+    assert policy["step_ms"]["plain"] == 1e3 / forced["plain_tokens_per_s"]
+    rows = {r["workload"]: r for r in policy["rows"]}
+    assert len(rows) == 10 and {"stops copying", "starts copying"} <= set(rows)
+    assert rows["acceptance 1.0"]["shipped"] == rows["acceptance 1.0"]["no_backoff"] > 0  # never backs off
