@@ -15,7 +15,8 @@ from tiny_models import make_tiny_model
 from kvcache import BlockManager
 from service.config import DEFAULT_MODEL_DIR
 from service.engine.llm import LLM
-from service.engine.speculative import NgramIndex, NgramProposer, accept_greedy, accept_sampled
+from service.engine.sequence import Sequence
+from service.engine.speculative import NgramIndex, NgramProposer, Speculator, accept_greedy, accept_sampled
 from service.metrics import EngineMetrics
 from service.protocol import SamplingParams
 
@@ -221,6 +222,28 @@ def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
     expected = probs * counts.sum()
     keep = expected > 0
     return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_greedy_verification_takes_the_steps_argmax_where_the_step_computed_one(bias):
+    """A decode graph's argmax decides a greedy verify (the tokens plain decoding's graph would pick, even where
+    its kernel breaks a tie otherwise than torch), unless the request has a logit bias; the plain rows are left to
+    the sampler."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    best = logits.argmax(-1).tolist()
+    params = SamplingParams(max_new_tokens=10, temperature=0.0, logit_bias={7: 0.5} if bias else {})
+    seqs = [Sequence("verified", [1, 2, 3], params), Sequence("plain", [4, 5], GREEDY)]
+    index, drafts = [0, 0, 0, 1, 0], {0: [best[0], best[1], 9]}  # rows 0-2 and 4 verify seqs[0]'s draft
+    graph = logits.argmax(-1)
+    graph[2] = (best[2] + 1) % 50  # where the graph's argmax differs from torch's
+    speculator = Speculator(NgramProposer(1, 3), 3, None, 100, 0.0)
+    biased = logits.clone()
+    biased[:, 7] += 0.5 if bias else 0.0
+    expected = accept_greedy(drafts[0], biased[[0, 1, 2, 4]].argmax(-1).tolist())
+    for argmax, want in ((None, expected), (graph, expected if bias else [best[0], best[1], graph[2].item()])):
+        kept, plain, verified = speculator.verify(logits, index, drafts, seqs, argmax)
+        assert verified == [(seqs[0], want)] and plain == [1] and torch.equal(kept, logits[[3]])
 
 
 def test_rejection_sampling_draws_from_the_target_distribution():

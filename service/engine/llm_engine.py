@@ -475,7 +475,8 @@ class LLMEngine:
             logits, index, greedy = self.runner.run(batch, pending)
             verified = []
             if batch.drafts:  # a speculative step: the verified sequences' rows leave, the others are sampled
-                logits, index, verified = self.speculator.verify(logits, index, batch.drafts, batch.seqs)
+                logits, index, verified = self.speculator.verify(logits, index, batch.drafts, batch.seqs,
+                                                                 None if greedy is None else greedy[0])
                 greedy = None  # a decode graph's argmax covered the verified rows too
             seqs = [batch.seqs[i] for i in index]
             if batch.forks:  # each fork samples from its parent's row: the same prompt, its own draw

@@ -52,7 +52,7 @@ import torch
 
 from service.config import Settings
 from service.engine.draft_model import load_proposer
-from service.engine.sampler import target_probs
+from service.engine.sampler import on_device, target_probs
 from service.engine.sequence import Sequence, Status
 from service.model.config import ModelConfig
 from service.protocol import SamplingParams
@@ -269,21 +269,24 @@ class Speculator:
         if release is not None:
             release(seq)
 
-    def verify(self, logits: torch.Tensor, index: list[int], drafts: dict[int, list[int]], seqs: list[Sequence]
-               ) -> tuple[torch.Tensor, list[int], list[tuple[Sequence, list[int]]]]:
+    def verify(self, logits: torch.Tensor, index: list[int], drafts: dict[int, list[int]], seqs: list[Sequence],
+               argmax: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int], list[tuple[Sequence, list[int]]]]:
         """Splits a step's logits (rows in `index` order, a verified sequence's len(draft) + 1 rows in a row) into
         the plain rows, for the sampler, and the verified sequences' tokens: (plain logits, their batch indices,
-        [(sequence, its new tokens: the accepted drafts and the target's next one)])."""
+        [(sequence, its new tokens: the accepted drafts and the target's next one)]). argmax: each row's argmax
+        where the step computed it (a decode graph)."""
         plain = [row for row, i in enumerate(index) if i not in drafts]
         order = list(dict.fromkeys(i for i in index if i in drafts))  # verified batch indices, in row order
         rows = [row for row, i in enumerate(index) if i in drafts]
-        verified_logits = logits[_index(rows, logits.device)]
         params = [seqs[i].params for i in order]
         draft_lists = [drafts[i] for i in order]
-        tokens = verify_rows(verified_logits, draft_lists, params, [seqs[i].generator for i in order])
+        tokens = verify_rows(logits, rows, draft_lists, params, [seqs[i].generator for i in order], argmax)
         for i, draft, out in zip(order, draft_lists, tokens):
             self.record(seqs[i], len(draft), len(out) - 1)
-        kept = logits[_index(plain, logits.device)] if len(plain) < len(index) else logits
+        if not plain:
+            kept = logits[:0]
+        else:
+            kept = logits[_index(plain, logits.device)] if len(plain) < len(index) else logits
         return kept, [index[row] for row in plain], [(seqs[i], t) for i, t in zip(order, tokens)]
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
@@ -313,26 +316,32 @@ class Speculator:
         self.stats.backoffs += 1
 
 
-def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> list[list[int]]:
-    """Each sequence's new tokens from its len(draft) + 1 consecutive rows of logits: greedy ones by exact match,
-    sampled ones by rejection sampling (accept_sampled)."""
+def verify_rows(logits: torch.Tensor, rows: list[int], drafts: list[list[int]], params: list[SamplingParams],
+                generators: list[torch.Generator | None], argmax: torch.Tensor | None = None) -> list[list[int]]:
+    """Each sequence's new tokens from its len(draft) + 1 consecutive rows among `rows` of logits: greedy ones by
+    exact match with each row's argmax (`argmax`'s, where the step computed it: the tokens plain decoding's graph
+    picks, and no kernel or copy after the step but the tokens' own), sampled ones by rejection sampling
+    (accept_sampled)."""
     starts = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1].tolist()
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     out: list[list[int]] = [[] for _ in drafts]
     if greedy:
-        rows = [r for i in greedy for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        greedy_rows = [rows[r] for i in greedy for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
         row_params = [params[i] for i in greedy for _ in range(len(drafts[i]) + 1)]
-        targets = _biased(logits[_index(rows, logits.device)], row_params).argmax(-1).tolist()
+        if argmax is not None and not any(p.logit_bias for p in row_params):
+            every = argmax.tolist()
+            targets = [every[r] for r in greedy_rows]
+        else:
+            targets = _biased(logits[_index(greedy_rows, logits.device)], row_params).argmax(-1).tolist()
         at = 0
         for i in greedy:
             out[i] = accept_greedy(drafts[i], targets[at:at + len(drafts[i]) + 1])
             at += len(drafts[i]) + 1
     if sampled:
-        rows = [r for i in sampled for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
+        sampled_rows = [rows[r] for i in sampled for r in range(starts[i], starts[i] + len(drafts[i]) + 1)]
         row_params = [params[i] for i in sampled for _ in range(len(drafts[i]) + 1)]
-        probs = target_probs(logits[_index(rows, logits.device)], row_params)
+        probs = target_probs(logits[_index(sampled_rows, logits.device)], row_params)
         for i, tokens in zip(sampled, accept_sampled(probs, [drafts[i] for i in sampled],
                                                      [generators[i] for i in sampled])):
             out[i] = tokens
@@ -340,7 +349,7 @@ def verify_rows(logits: torch.Tensor, drafts: list[list[int]], params: list[Samp
 
 
 def _index(values, device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+    return on_device(values, device, torch.long)
 
 
 def _biased(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
