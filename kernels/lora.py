@@ -52,6 +52,11 @@ COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
 COLUMNS_SHRINK_LAUNCH = True
+# A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
+# a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
+# q/k/v); benchmarks/lora.py times 16384 beside it (variants), as the norms cost 3.5 us a launch in the LoRA graph
+# of 64 rows against about 2 us without shrinks (H200, c28a8ee).
+SHRINK_CHUNK_ELEMENTS = 8192
 MIN_RANK = 16  # the slots' rank is a power of two of at least this (tl.dot's smallest inner size)
 
 
@@ -259,7 +264,7 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
     out = t[:, :k] if columns else torch.empty_like(like)
     num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
-    rank_chunk = max(1, min(rank, 8192 // triton.next_power_of_2(k)))  # a chunk of A: 64 registers a thread
+    rank_chunk = max(1, min(rank, SHRINK_CHUNK_ELEMENTS // triton.next_power_of_2(k)))
     return out, t, len(a_offsets) * rank // rank_chunk, dict(
         LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=shrinks, stride_t=t.stride(0),
         A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,

@@ -103,17 +103,24 @@ def assert_columns(t, h, weights, scales, parts, row_slots, rank, tol):
                 torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("rows,slots,widths,add,columns", [
-    (1, 1, (64, 32, 32), False, False), (13, 3, (48, 48), True, False), (37, 8, (64, 32, 32), True, False),
-    (37, 8, (48, 48), False, False), (37, 8, (64, 32, 32), True, True), (21, 3, (48, 48), False, True)])
-def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, rows, slots, widths, add, columns):
+@pytest.mark.parametrize("rows,slots,widths,add,columns,chunk_elements", [
+    (1, 1, (64, 32, 32), False, False, 8192), (13, 3, (48, 48), True, False, 8192),
+    (37, 8, (64, 32, 32), True, False, 8192), (37, 8, (48, 48), False, False, 8192),
+    (37, 8, (64, 32, 32), True, True, 8192), (21, 3, (48, 48), False, True, 8192),
+    (37, 8, (64, 32, 32), True, True, 1024), (13, 3, (48, 48), False, False, 1024)])
+def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, rows, slots, widths, add, columns,
+                                                                      chunk_elements, monkeypatch):
     """kernels.elementwise's norms with `shrinks`: the normalized rows as without, and each adapter row's scaled
     shrinks x A^T of its slot rounded as lora_add_ref rounds them; the projections' kernels take them (decode_linear
     up to its rows, lora_add_'s expand past them) and give what their reference gives. columns: the shrinks beside
-    the rows in kernels.lora's columns layout, and one matmul with the slots' B beside the weight adds them."""
+    the rows in kernels.lora's columns layout, and one matmul with the slots' B beside the weight adds them.
+    chunk_elements: at K 200 (256 rounded), 8192 puts a projection's 16 ranks in one program, 1024 in four of four
+    ranks each, as the real sizes split them (K 896: 8 ranks a program)."""
+    import kernels.lora
     from kernels.decode_linear import MAX_ROWS, decode_linear, decode_linear_ref
     from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm, rms_norm_shrinks
 
+    monkeypatch.setattr(kernels.lora, "SHRINK_CHUNK_ELEMENTS", chunk_elements)
     k, r = 200, 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
         gen = torch.Generator().manual_seed(rows + slots)
