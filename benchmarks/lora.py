@@ -11,7 +11,8 @@ projections, random weights), two numbers per cell:
 - graph_ms: the GPU time of one replay of the step's CUDA graph (the base graph for 0 adapters, the LoRA graph
   otherwise), CUDA events around 50 back-to-back replays;
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
-  the adapters loaded into their slots beforehand.
+  the adapters loaded into their slots beforehand;
+and kernel_us: the GPU microseconds per replay of that graph's 24 costliest kernels (benchmarks/timing.py).
 At batch 64 and 256 with adapters also `variants`: the graph_ms of the same graph captured again, as shipped and
 with kernels/lora.py's switches set otherwise (VARIANTS): every update added after the GEMMs by
 kernels.lora.lora_add_, as steps of 17-64 rows ran before the slots' columns; the columns for q/k/v and gate-up only
@@ -151,8 +152,8 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
             graph = decode_graph(engine.runner, batch, count) if engine.device.type == "cuda" else None
             if graph is not None:
                 row["graph_ms"] = replay_ms(graph)
-                if batch in (1, 64):  # where the adapters' time goes (to and past decode_linear's rows)
-                    row["kernel_us"] = replay_kernel_us(graph, top=24)
+                # where the adapters' time goes: to decode_linear's rows, past them in the columns, past the norms'
+                row["kernel_us"] = replay_kernel_us(graph, top=24)
                 if count and batch > MAX_ROWS:
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, switches))
                                        for name, switches in VARIANTS.items()}
