@@ -108,8 +108,10 @@ def _tokenize_chat(messages: list[dict], tokenizer, max_len: int | None = None) 
     if tokenizer.chat_template is None:
         raise ValueError("the model's tokenizer has no chat template; use prompt/completion or text records")
 
+    pieces = {}  # the prefixes share their pieces' tokens
+
     def encode(turns, generation_prompt):  # as the chat route encodes a conversation
-        return encode_chat(tokenizer, turns, add_generation_prompt=generation_prompt)
+        return encode_chat(tokenizer, turns, add_generation_prompt=generation_prompt, cache=pieces)
 
     ids = encode(messages, False)
     if max_len is not None and len(ids) > max_len:  # before the work per assistant turn
