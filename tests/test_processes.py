@@ -143,7 +143,10 @@ def test_a_second_ctrl_c_stops_at_once():
             events = sse_events(r)
             next(events)
             os.killpg(service.process.pid, signal.SIGINT)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 10
+            while httpx.get(f"{service.url}/health").status_code != 503:  # the first one reached the front-end
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
             os.killpg(service.process.pid, signal.SIGINT)
             with pytest.raises(httpx.RemoteProtocolError):  # cut: no drain
                 list(events)
