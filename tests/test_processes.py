@@ -115,6 +115,14 @@ def test_a_killed_engine_core_fails_requests_and_the_service_exits_non_zero():
         assert "llm-engine-core exited" in service.log.read_text(errors="replace")
 
 
+def wait_draining(url: str, timeout: float = 10) -> None:
+    """Until the front-end has handled a signal: /health says 503 to a new connection."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health").status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("how", ["sigterm", "sigint", "sigint_after_launchers_sigterm"])
 def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(how):
     with service_process() as service:
@@ -127,7 +135,7 @@ def test_a_signal_drains_the_requests_in_flight_then_stops_cleanly(how):
             # SIGINT does: that SIGINT is still the first Ctrl-C, not a second one that forces the exit.
             if how == "sigint_after_launchers_sigterm":
                 os.kill(children(service.process.pid)["llm-api-0"], signal.SIGTERM)
-                time.sleep(0.05)
+                wait_draining(service.url)
             if how == "sigterm":
                 service.process.send_signal(signal.SIGTERM)
             else:
@@ -143,10 +151,7 @@ def test_a_second_ctrl_c_stops_at_once():
             events = sse_events(r)
             next(events)
             os.killpg(service.process.pid, signal.SIGINT)
-            deadline = time.monotonic() + 10
-            while httpx.get(f"{service.url}/health").status_code != 503:  # the first one reached the front-end
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_draining(service.url)  # two signals that arrive before the handler runs are one
             os.killpg(service.process.pid, signal.SIGINT)
             with pytest.raises(httpx.RemoteProtocolError):  # cut: no drain
                 list(events)
