@@ -188,7 +188,7 @@ def test_while_draining_new_connections_get_429_and_a_503_health_then_the_listen
             events = sse_events(r)
             first = json.loads(next(events))
             service.process.send_signal(signal.SIGTERM)
-            time.sleep(0.5)  # the signal reached the front-ends
+            wait_draining(service.url)  # the signal reached the front-ends
             # a fresh client each: a new connection, as a load balancer's probe or a new client makes
             with httpx.Client(timeout=10) as client:
                 health = client.get(f"{service.url}/health")
