@@ -204,35 +204,29 @@ class Speculator:
         Asked before the step in flight completes (a sequence's length counts its pending token), so that the
         engine overlaps the steps that will not: a back-off's pause, or only requests with penalties, grammars or
         logprobs, must cost what plain decoding costs."""
-        if not self.active(running):
-            return False
-        acceptance = self.acceptance
-        for seq in running:
-            if can_speculate(seq):
-                state = acceptance.get(seq)
-                if state is None or len(seq.token_ids) >= state.resume_at:
-                    return True
-        return False
+        return self.active(running) and any(can_speculate(seq) and not self._pausing(seq) for seq in running)
+
+    def _pausing(self, seq: Sequence) -> bool:
+        """Whether seq backs off at its length (its pending token counted)."""
+        state = self.acceptance.get(seq)
+        return state is not None and len(seq.token_ids) < state.resume_at
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets seq.draft for every running sequence: draft tokens for those that decode next step and are not
-        backing off, else none (none at all when not `drafting`). A draft leaves room for the token the target
-        adds after it, within max_new_tokens and the context. Every sequence's last token must be on the host
-        when `drafting`."""
+        backing off, else none (none at all when not `active`). A draft leaves room for the token the target adds
+        after it, within max_new_tokens and the context. Every sequence's last token must be on the host when
+        `drafting` (the sequences it proposes for are those that make it true)."""
         for seq in running:
             seq.draft = []
-        acceptance = self.acceptance
-        if len(acceptance) > len(running):  # forget finished sequences (preempted ones keep their history)
-            self.acceptance = acceptance = {s: a for s, a in acceptance.items() if s.status is not Status.FINISHED}
-        if not self.drafting(running):
+        if len(self.acceptance) > len(running):  # forget finished sequences (preempted ones keep their history)
+            self.acceptance = {s: a for s, a in self.acceptance.items() if s.status is not Status.FINISHED}
+        if not self.active(running):
             return
         eligible, limits = [], []
         for seq in running:
             length = len(seq.token_ids)
-            if seq.num_computed_tokens == length - 1 and length > seq.num_prompt_tokens and can_speculate(seq):
-                state = acceptance.get(seq)
-                if state is not None and length < state.resume_at:  # backing off
-                    continue
+            if (seq.num_computed_tokens == length - 1 and length > seq.num_prompt_tokens and can_speculate(seq)
+                    and not self._pausing(seq)):
                 room = min(seq.token_limit, self.max_model_len) - length - 1
                 if room > 0:
                     eligible.append(seq)
@@ -283,10 +277,10 @@ class Speculator:
         tokens = verify_rows(logits, rows, draft_lists, params, [seqs[i].generator for i in order], argmax)
         for i, draft, out in zip(order, draft_lists, tokens):
             self.record(seqs[i], len(draft), len(out) - 1)
-        if not plain:
-            kept = logits[:0]
+        if len(plain) == len(index):
+            kept = logits
         else:
-            kept = logits[_index(plain, logits.device)] if len(plain) < len(index) else logits
+            kept = logits[_index(plain, logits.device)] if plain else logits[:0]
         return kept, [index[row] for row in plain], [(seqs[i], t) for i, t in zip(order, tokens)]
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
