@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -178,8 +179,12 @@ def backoff_policy(step_ms: tuple[float, float], alphas: list[float], new_tokens
     shipped = (speculative.EMA_WEIGHT, DEFAULT_MIN_ACCEPTANCE, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX)
 
     def speedup(phases: list[tuple[float, int]], constants: tuple, seed: int) -> float:
-        speculative.EMA_WEIGHT, min_acceptance, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX = constants
-        rng, total = random.Random(seed), sum(n for _, n in phases)
+        ema_weight, min_acceptance, first, longest = constants
+        with mock.patch.multiple(speculative, EMA_WEIGHT=ema_weight, BACKOFF_MIN=first, BACKOFF_MAX=longest):
+            return one_stream(phases, min_acceptance, random.Random(seed))
+
+    def one_stream(phases: list[tuple[float, int]], min_acceptance: float, rng: random.Random) -> float:
+        total = sum(n for _, n in phases)
         keep = [p for alpha, n in phases for p in [keep_probability(alpha, k)] * n]
         speculator = speculative.Speculator(ForcedAcceptance(0.0), k, None, total + 2, min_acceptance)
         seq = Sequence("policy", [0], SamplingParams(max_new_tokens=total, temperature=0.0, ignore_eos=True))
@@ -198,14 +203,11 @@ def backoff_policy(step_ms: tuple[float, float], alphas: list[float], new_tokens
     workloads = {f"acceptance {alpha}": [(alpha, new_tokens)] for alpha in alphas} | CHANGING
     sides = {"shipped": shipped, "previous": PREVIOUS_BACKOFF, "no_backoff": (shipped[0], 0.0, *shipped[2:])}
     rows = []
-    try:
-        for name, phases in workloads.items():
-            rows.append({"workload": name, **{side: statistics.mean(speedup(phases, constants, seed)
-                                                                    for seed in range(runs))
-                                              for side, constants in sides.items()}})
-            print(json.dumps(rows[-1]), flush=True)
-    finally:
-        speculative.EMA_WEIGHT, _, speculative.BACKOFF_MIN, speculative.BACKOFF_MAX = shipped
+    for name, phases in workloads.items():
+        means = {side: statistics.mean(speedup(phases, constants, seed) for seed in range(runs))
+                 for side, constants in sides.items()}
+        rows.append({"workload": name, **means})
+        print(json.dumps(rows[-1]), flush=True)
     keys = ("ema_weight", "min_acceptance", "first_pause", "longest_pause")
     return {"step_ms": {"plain": plain_ms, "speculative": spec_ms}, "k": k, "runs": runs,
             **{f"{side}_constants": dict(zip(keys, c)) for side, c in sides.items() if side != "no_backoff"},
