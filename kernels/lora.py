@@ -289,19 +289,25 @@ def _shrink_kernel(X, UP, W, SCALES, TILES, T, XO, stride_x, stride_up, stride_w
                    NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, RANK: tl.constexpr, RANK_BLOCK: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PADDED: tl.constexpr,
                    SILU: tl.constexpr, PDL: tl.constexpr):
-    row, part = tl.program_id(0), tl.program_id(1)
+    row, part, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
-    r = tl.program_id(2) * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
+    r = block * RANK_BLOCK + tl.arange(0, RANK_BLOCK)
     # The row's slot, its scale and the first K block of A are read before the wait: the tiles and the slots are
     # written before the step, never by the kernel before this one.
     slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, BLOCK_M)
-    # A row of no slot reads nothing (a mask of one comparison: the interpreter does not take a scalar and a tensor
-    # combined with &), but in the columns layout (SLOTS > 0) one program of each row copies it to XO, T's row.
+    # A row of no slot reads no A (a mask of one comparison: the interpreter does not take a scalar and a tensor
+    # combined with &). In the columns layout (SLOTS > 0) the row's programs of projection 0 copy it to XO, T's
+    # row, each the K blocks b with b % blocks == its block of ranks; a row of no slot has nothing else to do
+    # and visits only those (one program copying a row of down's 4864 took five round trips to memory in a row).
+    blocks = RANK // RANK_BLOCK
     a_end = tl.where(slot >= 0, K, 0)
-    copies = (part == 0) & (tl.program_id(2) == 0)
+    copies = part == 0
+    no_slot = (slot < 0).to(tl.int32)
+    k_start = no_slot * block * BLOCK_K
+    k_step = BLOCK_K * (1 + no_slot * (blocks - 1))
     k_end = tl.where(copies, K, a_end) if SLOTS > 0 else a_end
     a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[:, None] * K
-    k = tl.arange(0, BLOCK_K)
+    k = k_start + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[None, :], mask=k[None, :] < a_end, other=0.0)
     scale = tl.load(SCALES + tl.maximum(slot, 0))
     if PDL:
@@ -310,15 +316,15 @@ def _shrink_kernel(X, UP, W, SCALES, TILES, T, XO, stride_x, stride_up, stride_w
     x = _input_block(X, UP, row, stride_x, stride_up, k, k < k_end, SILU)
     if SLOTS > 0:
         if copies:
-            tl.store(XO + row * stride_t + k, x, mask=k < K)
+            tl.store(XO + row * stride_t + k, x, mask=k < tl.where((k_start // BLOCK_K) % blocks == block, K, 0))
     acc = a.to(tl.float32) * x.to(tl.float32)[None, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):  # K past one block (BLOCK_K is all of it up to 8192)
+    for k0 in range(k_start + k_step, k_end, k_step):  # K past one block (BLOCK_K is all of it up to 8192)
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_rows + k[None, :], mask=k[None, :] < a_end, other=0.0)
         x = _input_block(X, UP, row, stride_x, stride_up, k, k < k_end, SILU)
         if SLOTS > 0:
             if copies:
-                tl.store(XO + row * stride_t + k, x, mask=k < K)
+                tl.store(XO + row * stride_t + k, x, mask=k < tl.where((k0 // BLOCK_K) % blocks == block, K, 0))
         acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
     # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
     t = tl.sum(acc, 1) * scale
