@@ -356,19 +356,25 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
             t[:, :k], t[:, k:] = x, 0
         return t
     # Up to a tile of rows all of K is one block, each program a rank or a few, its A loads issued before the wait.
-    # More rows share the launch better with K in blocks of 2048 and eight ranks a program at 8 warps (H200, bf16, 8
-    # slots, rank 16, columns layout, 64 rows of which 3 or all on adapters: down's SwiGLU and shrinks 3.1 / 3.6 us
-    # against 3.7 / 4.0 with blocks of 1024 and four ranks at 4 warps, and 11 with all of K a block; o's 1.3 / 1.4).
-    wide = rows > BLOCK_M
-    block_k = min(triton.next_power_of_2(k), 2048 if wide else 8192)
-    rank_block = min(rank, 8) if wide else max(1, min(rank, 4096 // block_k))
+    # More rows share the launch better with K in blocks and several ranks a program. Up to 64 rows: blocks of 2048,
+    # eight ranks, 8 warps (H200, bf16, 8 slots, rank 16, columns layout, 64 rows of which 3 or all on adapters:
+    # down's SwiGLU and shrinks 3.1 / 3.6 us, against 3.7 / 4.0 with blocks of 1024 and four ranks at 4 warps, and 11
+    # with all of K a block; o's 1.3 / 1.4 either way). Past 64 (benchmarks/lora.py's columns_to_256_rows variant)
+    # 1024, four ranks and 4 warps, which read 7.3 us against 17.1 with all of K a block at 256 rows; its graph of
+    # 256 rows took 5% longer with the 64-row blocks (13699ca) where it had been 2-3% faster than the shipped one.
+    if rows <= BLOCK_M:
+        block_k, warps = min(triton.next_power_of_2(k), 8192), 4
+        rank_block = max(1, min(rank, 4096 // block_k))
+    else:
+        block_k, rank_block, warps = (2048, 8, 8) if rows <= 64 else (1024, 4, 4)
+        block_k, rank_block = min(block_k, triton.next_power_of_2(k)), min(rank, rank_block)
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
         x, x if up is None else up, weights, scales, tiles, shrinks, t, x.stride(0),
         x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), k, *offsets,
         NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
-        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=8 if wide else 4,
-        **layout, **pdl_launch(x.device))
+        RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=warps, **layout,
+        **pdl_launch(x.device))
     return t
 
 
