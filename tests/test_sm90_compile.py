@@ -179,7 +179,7 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
 
 @pytest.mark.parametrize("rows,k,parts,columns,silu", [(1, 896, 3, False, False), (16, 4864, 1, False, False),
                                                       (40, 896, 1, True, False), (64, 4864, 1, True, False),
-                                                      (64, 4864, 1, True, True)])
+                                                      (64, 4864, 1, True, True), (256, 4864, 1, True, True)])
 def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, silu):
     """The slots' A is read before the wait on the kernel before (it is written before the step), x after it."""
     ptx = compiled("shrink_launched", rows, k, parts, columns, silu)
