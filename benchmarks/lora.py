@@ -7,7 +7,8 @@ python benchmarks/lora.py --served [--out DIR]  # the served part only
 python benchmarks/lora.py --served --device cpu # its smoke: the embedded model, 4 streams, seconds each phase
 
 For batch 1 / 64 / 256 and 0 / 1 / 8 distinct adapters (rows spread evenly over them; rank 16 on all 7
-projections, random weights), two numbers per cell:
+projections, random weights), and at 64 and 256 rows 8 adapters on 5% of the rows only (3 / 13, the others on the
+base model: the steps of the served 5% phase), two numbers per cell:
 - graph_ms: the GPU time of one replay of the step's CUDA graph (the base graph for 0 adapters, the LoRA graph
   otherwise), CUDA events around 50 back-to-back replays;
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
@@ -55,6 +56,9 @@ from service.protocol import SamplingParams  # noqa: E402
 
 BATCHES = (1, 64, 256)
 ADAPTERS = (0, 1, 8)
+# A further cell per batch: the most adapters on this share of its rows only (the served phase of 5%: a few rows of
+# the step on adapters, the others on the base model, all through the LoRA graph).
+FEW_ROWS_SHARE = 0.05
 SERVED_ADAPTERS, SERVED_SHARES = 8, (0.0, 0.05, 0.5)
 # Per phase: closed-loop streams, prompt and generated tokens, then seconds of warm-up, measuring window and drain.
 SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup": 3.0, "seconds": 12.0, "drain": 10.0},
@@ -79,12 +83,13 @@ def load_adapters(llm: LLM, count: int, rank: int) -> list[str]:
     return names
 
 
-def start_decoding(engine, batch: int, adapters: list[str], tag: str, tokens: int) -> None:
-    """`batch` requests decoding (their prefill done), spread evenly over `adapters` (none: the base model)."""
+def start_decoding(engine, batch: int, adapters: list[str], tag: str, tokens: int, adapter_rows: int) -> None:
+    """`batch` requests decoding (their prefill done), the first `adapter_rows` spread evenly over `adapters`, the
+    others on the base model."""
     params = SamplingParams(max_new_tokens=tokens, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", list(range(3, 67)), params, adapter=adapters[i % len(adapters)]
-                           if adapters else None)
+                           if i < adapter_rows else None)
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
@@ -99,8 +104,8 @@ def finish(engine) -> None:
         engine.step()
 
 
-def decode_graph(runner, batch: int, adapters: int):
-    """The decode graph that holds `batch` rows (None: none does), with `adapters` slots in use."""
+def decode_graph(runner, batch: int, adapters: int, adapter_rows: int):
+    """The decode graph that holds `batch` rows (None: none does), its first `adapter_rows` over `adapters` slots."""
     import numpy as np
 
     from kernels.lora import lora_tiles
@@ -111,7 +116,7 @@ def decode_graph(runner, batch: int, adapters: int):
     graph = runner.graphs[key]
     if adapters:
         row_slots = np.full(key, -1, dtype=np.int32)
-        row_slots[:batch] = np.arange(batch) % adapters
+        row_slots[:adapter_rows] = np.arange(adapter_rows) % adapters
         tiles = lora_tiles(row_slots, runner._lora_tiles(key))
         runner.lora_static[:len(tiles)] = torch.from_numpy(tiles).cuda()
         graph = runner.lora_graphs[key]
@@ -145,16 +150,19 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
     names = load_adapters(llm, max(adapter_counts), rank)
     rows = []
     for batch in batches:
-        for count in adapter_counts:
-            start_decoding(engine, batch, names[:count], f"b{batch}-a{count}", tokens=steps + 64)
-            row = {"batch": batch, "adapters": count, "step_ms": step_ms(engine, steps)}
+        cells = [(count, batch if count else 0) for count in adapter_counts]
+        if max(1, round(FEW_ROWS_SHARE * batch)) < batch:
+            cells.append((max(adapter_counts), max(1, round(FEW_ROWS_SHARE * batch))))
+        for count, adapter_rows in cells:
+            start_decoding(engine, batch, names[:count], f"b{batch}-a{count}-r{adapter_rows}", steps + 64, adapter_rows)
+            row = {"batch": batch, "adapters": count, "adapter_rows": adapter_rows, "step_ms": step_ms(engine, steps)}
             finish(engine)
-            graph = decode_graph(engine.runner, batch, count) if engine.device.type == "cuda" else None
+            graph = decode_graph(engine.runner, batch, count, adapter_rows) if engine.device.type == "cuda" else None
             if graph is not None:
                 row["graph_ms"] = replay_ms(graph)
                 # where the adapters' time goes: to decode_linear's rows, past them in the columns, past the norms'
                 row["kernel_us"] = replay_kernel_us(graph, top=24)
-                if count and batch > MAX_ROWS:
+                if count and batch > MAX_ROWS and adapter_rows == batch:
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, switches))
                                        for name, switches in VARIANTS.items()}
             rows.append(row)
@@ -283,10 +291,12 @@ def plot(result: dict, path: Path) -> None:
     for ax, part in zip(axes[0], parts):
         if part == "decode":
             rows = result["decode"]
-            for count in sorted({r["adapters"] for r in rows}):
-                cells = [r for r in rows if r["adapters"] == count]
+            for count, few in sorted({(r["adapters"], _few(r)) for r in rows}):
+                cells = [r for r in rows if (r["adapters"], _few(r)) == (count, few)]
+                label = (f"{count} adapters" + (f" on {FEW_ROWS_SHARE:.0%} of the rows" if few else "")) if count \
+                    else "base model"
                 ax.plot([str(r["batch"]) for r in cells], [r.get("graph_ms") or r["step_ms"] for r in cells],
-                        marker="o", label=f"{count} adapters" if count else "base model")
+                        marker="o", linestyle="--" if few else "-", label=label)
             ax.set_xlabel("decode batch")
             ax.set_ylabel("graph replay (ms)")
             ax.set_title("Decode step with LoRA adapters in slots (rank 16, all projections)")
@@ -304,6 +314,11 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _few(row: dict) -> bool:
+    """Whether a decode cell has only some of its rows on adapters (rows from before that cell had them all)."""
+    return 0 < row.get("adapter_rows", row["batch"]) < row["batch"]
 
 
 def main(argv=None) -> None:
@@ -341,18 +356,20 @@ def decode(args, device: str, commit: str) -> dict:
         llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=4096, max_loras=8,
                   max_lora_rank=args.rank)
         rows = measure(llm, args.rank, args.steps or 200)
-    print(f"{'batch':>6} {'adapters':>9} {'step ms':>9} {'x base':>7} {'graph ms':>9} {'x base':>7}")
+    print(f"{'batch':>6} {'adapters':>9} {'on rows':>8} {'step ms':>9} {'x base':>7} {'graph ms':>9} {'x base':>7}")
     for r in rows:
         graph = f"{r['graph_ms']:9.3f} {r['graph_x']:7.2f}" if r.get("graph_ms") else f"{'-':>9} {'-':>7}"
-        print(f"{r['batch']:>6} {r['adapters']:>9} {r['step_ms']:9.3f} {r['step_x']:7.2f} {graph}")
+        print(f"{r['batch']:>6} {r['adapters']:>9} {r['adapter_rows']:>8} {r['step_ms']:9.3f} {r['step_x']:7.2f} "
+              f"{graph}")
     for r in rows:
         for name, ms in r.get("variants", {}).items():
             print(f"batch {r['batch']}, {r['adapters']} adapters, {name}: graph {ms:.3f} ms = "
                   f"{r['variants_x'][name]:.2f}x as shipped (captured again)")
     for r in rows:
         if "kernel_us" in r:
-            print(f"batch {r['batch']}, {r['adapters']} adapters, GPU us per replay by kernel:", json.dumps(
-                {k: round(v, 1) for k, v in r["kernel_us"].items()}))
+            kernels = json.dumps({k: round(v, 1) for k, v in r["kernel_us"].items()})
+            print(f"batch {r['batch']}, {r['adapters']} adapters on {r['adapter_rows']} rows, GPU us per replay by "
+                  f"kernel: {kernels}")
     return {"device": device, "commit": commit, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
             "rank": args.rank, "weights": "random (Qwen2.5-0.5B shape on the GPU): times only", "decode": rows}
 

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
-from kernels.lora import _shrink_chunk, _shrink_store, shrink_chunks_args
+from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, shrink_chunks_args
 
 
 @triton.jit
@@ -22,9 +22,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
     if SHRINKS:  # program (row, chunk): a chunk of the row's LoRA shrinks (kernels.lora), A read before the wait
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
                                                NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
-        live = live | (slot >= 0)  # the other chunks of a row of no slot do nothing,
-        if SLOTS > 0:  # but write its zeros in the columns layout
-            live = chunk >= 0
+        live = live | (slot >= 0)  # the other chunks of a row of no slot normalize nothing (below)
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -36,6 +34,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
             tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
         if SHRINKS:
             _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
+    elif SLOTS > 0:
+        _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
+
+
+@triton.jit
+def _zero_columns(T, row, stride_t, t_cols, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                  SLOTS_PADDED: tl.constexpr):
+    """A program (row, chunk) of a row of no slot in the columns layout: zeros in its chunk's columns of every slot,
+    without normalizing the row (chunk 0 does, for the output)."""
+    _store_columns(T + row * stride_t, t_cols, tl.zeros((RANK_CHUNK,), tl.float32), -1, RANK, SLOTS, SLOTS_PADDED)
 
 
 @triton.jit
@@ -99,8 +107,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
                                                NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
         live = live | (slot >= 0)
-        if SLOTS > 0:
-            live = chunk >= 0
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -118,6 +124,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
             tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
         if SHRINKS:
             _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
+    elif SLOTS > 0:
+        _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
