@@ -360,14 +360,14 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     # eight ranks, 8 warps (H200, bf16, 8 slots, rank 16, columns layout, 64 rows of which 3 or all on adapters:
     # down's SwiGLU and shrinks 3.1 / 3.6 us, against 3.7 / 4.0 with blocks of 1024 and four ranks at 4 warps, and 11
     # with all of K a block; o's 1.3 / 1.4 either way). Past 64 (benchmarks/lora.py's columns_to_256_rows variant)
-    # 1024, four ranks and 4 warps, which read 7.3 us against 17.1 with all of K a block at 256 rows; its graph of
-    # 256 rows took 5% longer with the 64-row blocks (13699ca) where it had been 2-3% faster than the shipped one.
-    if rows <= BLOCK_M:
-        block_k, warps = min(triton.next_power_of_2(k), 8192), 4
+    # blocks of 1024 and 4096 values of A a program (four ranks from K 1024) at 4 warps, which read 7.3 us against
+    # 17.1 with all of K a block at 256 rows; its graph of 256 rows took 5% longer with the 64-row blocks (13699ca)
+    # where it had been 2-3% faster than the shipped one.
+    if rows <= BLOCK_M or rows > 64:
+        block_k, warps = min(triton.next_power_of_2(k), 8192 if rows <= BLOCK_M else 1024), 4
         rank_block = max(1, min(rank, 4096 // block_k))
     else:
-        block_k, rank_block, warps = (2048, 8, 8) if rows <= 64 else (1024, 4, 4)
-        block_k, rank_block = min(block_k, triton.next_power_of_2(k)), min(rank, rank_block)
+        block_k, rank_block, warps = min(triton.next_power_of_2(k), 2048), min(rank, 8), 8
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
         x, x if up is None else up, weights, scales, tiles, shrinks, t, x.stride(0),
