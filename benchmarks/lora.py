@@ -151,8 +151,9 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
     rows = []
     for batch in batches:
         cells = [(count, batch if count else 0) for count in adapter_counts]
-        if max(1, round(FEW_ROWS_SHARE * batch)) < batch:
-            cells.append((max(adapter_counts), max(1, round(FEW_ROWS_SHARE * batch))))
+        few = max(1, round(FEW_ROWS_SHARE * batch))
+        if few < batch:
+            cells.append((max(adapter_counts), few))
         for count, adapter_rows in cells:
             start_decoding(engine, batch, names[:count], f"b{batch}-a{count}-r{adapter_rows}", steps + 64, adapter_rows)
             row = {"batch": batch, "adapters": count, "adapter_rows": adapter_rows, "step_ms": step_ms(engine, steps)}

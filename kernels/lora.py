@@ -363,11 +363,11 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     # blocks of 1024 and 4096 values of A a program (four ranks from K 1024) at 4 warps, which read 7.3 us against
     # 17.1 with all of K a block at 256 rows; its graph of 256 rows took 5% longer with the 64-row blocks (13699ca)
     # where it had been 2-3% faster than the shipped one.
-    if rows <= BLOCK_M or rows > 64:
+    if BLOCK_M < rows <= 64:
+        block_k, rank_block, warps = min(triton.next_power_of_2(k), 2048), min(rank, 8), 8
+    else:
         block_k, warps = min(triton.next_power_of_2(k), 8192 if rows <= BLOCK_M else 1024), 4
         rank_block = max(1, min(rank, 4096 // block_k))
-    else:
-        block_k, rank_block, warps = min(triton.next_power_of_2(k), 2048), min(rank, 8), 8
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     _shrink_kernel[(rows, len(a_offsets), rank // rank_block)](
         x, x if up is None else up, weights, scales, tiles, shrinks, t, x.stride(0),
