@@ -15,11 +15,14 @@ separated by `%` lines, gzipped into corpus.txt.gz beside this script (~1 MB), s
 no package. Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json, loss_curve.png, training_log.json (losses, settings, samples) to --out.
 
---repeat-share S: a share S of the training examples are a training fortune said two or three times, `%` lines
-between (the fortunes stay one per example otherwise). A model that never sees a passage twice learns no copying,
-and n-gram speculative decoding (benchmarks/spec.py's copy-heavy prompts: a fortune, again, then its start) gains
-only where the model repeats its context. The held-out log then also holds the loss of a held-out fortune's second
-saying (val_copy_loss: near zero once the model copies).
+--repeat-share S (default 0.25): a share S of the training examples are a training fortune said once or twice,
+each time followed by a `%` line, as a prompt, and said again as the completion; the loss counts only that last
+saying. A model that never sees a passage twice learns no copying, and n-gram speculative decoding (benchmarks/
+spec.py's copy-heavy prompts: a fortune, again, then its start) gains only where the model repeats its context.
+Since no loss falls on what follows a fortune's first saying, the model does not learn to start a fortune over
+once it has ended it (a first version, the whole repeated text as one example, made it write `%` and say the
+fortune again where it should have stopped). The held-out log then also holds the loss of a held-out fortune's
+second saying (val_copy_loss: near zero once the model copies).
 """
 import argparse
 import gzip
@@ -107,9 +110,10 @@ def batches(examples, tokens_per_batch: int, rng: random.Random, repeats=(), rep
         yield batch
 
 
-def repeated(text: str, rng: random.Random) -> str:
-    """A fortune said two or three times, `%` lines between."""
-    return SEPARATOR.join([text] * rng.choice((2, 3)))
+def repeated(text: str, rng: random.Random) -> dict:
+    """A training record: a fortune said once or twice, a `%` line after each, then said again, the loss on the last
+    saying only (the module doc says why)."""
+    return {"prompt": SEPARATOR.join([text] * rng.choice((1, 2))) + SEPARATOR, "completion": text}
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -128,8 +132,8 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-seconds", type=float, default=240.0, help="training time budget (the schedule "
                         "ends at --steps or at this, whichever comes first)")
-    parser.add_argument("--repeat-share", type=float, default=0.0, help="share of training examples that are a "
-                        "fortune said two or three times (the module doc says why)")
+    parser.add_argument("--repeat-share", type=float, default=0.25, help="share of training examples that copy a "
+                        "fortune said before them (the module doc says why; 0: none)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
     parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
     args = parser.parse_args(argv)
@@ -155,7 +159,7 @@ def main(argv=None):
         # Fortunes that fit MAX_TOKENS whole, said again; of held-out ones, the second saying after the first in the
         # prompt (what copying predicts)
         whole = [len(ex.token_ids) < MAX_TOKENS for ex in held_out + examples]
-        repeats = [tokenize({"text": repeated(t, rng)}, tokenizer)
+        repeats = [tokenize(repeated(t, rng), tokenizer)
                    for t, fits in zip(texts[split:], whole[split:]) if fits]
         held_out_copies = [tokenize({"prompt": t + SEPARATOR, "completion": t}, tokenizer)
                            for t, fits in zip(texts[:split], whole[:split]) if fits]
