@@ -45,9 +45,9 @@ BLOCK_M = 16  # rows per tile: tl.dot's smallest
 ROW_SHRINK_MAX_ROWS = 64
 # Past kernels.decode_linear.MAX_ROWS rows and up to this many, the GEMM of a projection group adds its rows' LoRA
 # updates, in the columns layout (module doc); 0 turns that off. Past ROW_SHRINK_MAX_ROWS no norm computes shrinks
-# and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), whose tiles of rows share each read of their
-# slot's A (_tile_columns_kernel). benchmarks/lora.py times the path without the columns (variants).
-COLUMNS_MAX_ROWS = 256
+# and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), which reads each row's A alone: benchmarks/
+# lora.py times 256 rows both ways (variants) before the bound goes past the norms'.
+COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
 # Whether groups whose input comes with no shrinks (o and down; any past ROW_SHRINK_MAX_ROWS) take the columns too,
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
@@ -335,73 +335,6 @@ def _shrink_kernel(X, UP, W, SCALES, TILES, T, XO, stride_x, stride_up, stride_w
                  mask=r < tl.where(slot >= 0, RANK, 0))
 
 
-@triton.jit
-def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, XO, stride_x, stride_up, stride_w, stride_t, ROWS, K, A0, A1, A2,
-                         NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, RANK: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, COPY_ROWS: tl.constexpr, COPY_K: tl.constexpr,
-                         SLOTS: tl.constexpr, SLOTS_PADDED: tl.constexpr, SILU: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """lora_shrink's columns layout over many rows. Programs (j < NUM_TILES, p): tile j's rows (one slot) times its
-    A of projection p over all of K in one dot per K block, the slot's A read once for the tile, into the rows' p
-    columns of every slot (zeros but the tile's own). Programs (j >= NUM_TILES, p): a block of COPY_ROWS rows and
-    COPY_K of K; p = 0 copies those rows' input there, and the first K block writes zeros into the p columns of the
-    rows of no slot (in no tile)."""
-    j, part = tl.program_id(0), tl.program_id(1)
-    cols = part * (SLOTS * RANK)
-    if j < NUM_TILES:
-        tile = TILES + j * (BLOCK_M + 1)
-        slot = tl.load(tile)  # the tiles and the slots are written before the step: read before the wait
-        rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-        valid = rows >= 0
-        rows = tl.where(valid, rows, 0).to(tl.int64)
-        r = tl.arange(0, RANK)
-        a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
-        a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[None, :] * K
-        scale = tl.load(SCALES + tl.maximum(slot, 0))
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        if slot >= 0:
-            acc = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                x = _input_block(X, UP, rows[:, None], stride_x, stride_up, k[None, :],
-                                 valid[:, None] & (k[None, :] < K), SILU)
-                a = tl.load(a_rows + k[:, None], mask=k[:, None] < K, other=0.0)
-                acc += tl.dot(x, a, input_precision=DOT_PRECISION)
-            # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-            t = acc * scale
-            for s in tl.static_range(SLOTS):
-                tl.store(T + rows[:, None] * stride_t + cols + s * RANK + r[None, :],
-                         tl.where(s == slot, t, 0.0).to(T.dtype.element_ty), mask=valid[:, None])
-    else:
-        block = j - NUM_TILES
-        k_blocks = tl.cdiv(K, COPY_K)
-        rows = (block // k_blocks) * COPY_ROWS + tl.arange(0, COPY_ROWS)
-        k = (block % k_blocks) * COPY_K + tl.arange(0, COPY_K)
-        in_batch = rows < ROWS
-        # Which of the rows some tile lists: every tile's row list at once, compared with the block's rows.
-        at = tl.arange(0, TILES_PADDED * BLOCK_M)
-        listed = tl.load(TILES + (at // BLOCK_M) * (BLOCK_M + 1) + 1 + at % BLOCK_M, mask=at < NUM_TILES * BLOCK_M,
-                         other=-1)
-        slots = tl.load(TILES + (at // BLOCK_M) * (BLOCK_M + 1), mask=at < NUM_TILES * BLOCK_M, other=-1)
-        listed = tl.where(slots >= 0, listed, -1)
-        no_slot = tl.sum((listed[None, :] == rows[:, None]).to(tl.int32), 1) == 0
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        rows = rows.to(tl.int64)
-        if part == 0:
-            inside = in_batch[:, None] & (k[None, :] < K)
-            x = _input_block(X, UP, rows[:, None], stride_x, stride_up, k[None, :], inside, SILU)
-            tl.store(XO + rows[:, None] * stride_t + k[None, :], x, mask=inside)
-        if block % k_blocks == 0:
-            c = tl.arange(0, SLOTS_PADDED * RANK)
-            zeros = tl.zeros((COPY_ROWS, SLOTS_PADDED * RANK), dtype=T.dtype.element_ty)
-            tl.store(T + rows[:, None] * stride_t + cols + c[None, :], zeros,
-                     mask=(in_batch & no_slot)[:, None] & (c[None, :] < SLOTS * RANK))
-
-
 def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
                 a_offsets: list[int], num_tiles: int, columns: bool = False, up: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -421,9 +354,6 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
             if up is not None:  # rounded once, as the kernel rounds it
                 x = (x.float() * torch.sigmoid(x.float()) * up.float()).to(x.dtype)
             t[:, :k], t[:, k:] = x, 0
-        return t
-    if columns and rows > ROW_SHRINK_MAX_ROWS:
-        _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, shrinks, layout)
         return t
     # Up to a tile of rows all of K is one block, each program a rank or a few, its A loads issued before the wait.
     # More rows share the launch better with K in blocks and several ranks a program. Up to 64 rows: blocks of 2048,
@@ -446,23 +376,6 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
         RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=warps, **layout,
         **pdl_launch(x.device))
     return t
-
-
-def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, shrinks, layout) -> None:
-    """lora_shrink's columns layout past ROW_SHRINK_MAX_ROWS rows: a tile's rows share each read of their slot's A
-    (_tile_columns_kernel; a program per row and a few ranks read its slot's A alone, 84 MB from L2 a layer at 256
-    rows for this model's projections)."""
-    rows, k = x.shape
-    copy_rows, copy_k = 16, 512
-    blocks = triton.cdiv(rows, copy_rows) * triton.cdiv(k, copy_k)
-    offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
-    _tile_columns_kernel[(num_tiles + blocks, len(a_offsets))](
-        x, x if up is None else up, weights, scales, tiles, shrinks, t, x.stride(0),
-        x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), rows, k, *offsets,
-        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank, BLOCK_M=BLOCK_M,
-        BLOCK_K=min(256, max(16, triton.next_power_of_2(k))), COPY_ROWS=copy_rows, COPY_K=copy_k,
-        SILU=up is not None, DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **layout,
-        **pdl_launch(x.device))
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
