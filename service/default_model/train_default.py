@@ -15,14 +15,18 @@ separated by `%` lines, gzipped into corpus.txt.gz beside this script (~1 MB), s
 no package. Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
 generation_config.json, loss_curve.png, training_log.json (losses, settings, samples) to --out.
 
---repeat-share S (default 0.25): a share S of the training examples are a training fortune said once or twice,
-each time followed by a `%` line, as a prompt, and said again as the completion; the loss counts only that last
-saying. A model that never sees a passage twice learns no copying, and n-gram speculative decoding (benchmarks/
-spec.py's copy-heavy prompts: a fortune, again, then its start) gains only where the model repeats its context.
+--repeat-share S (default 0, the shipped weights): a share S of the training examples are a training fortune said
+once or twice, each time followed by a `%` line, as a prompt, and said again as the completion; the loss counts
+only that last saying. A model that never sees a passage twice learns no copying, and n-gram speculative decoding
+(benchmarks/spec.py's copy-heavy prompts: a fortune, again, then its start) gains only where the model repeats its
+context.
 Since no loss falls on what follows a fortune's first saying, the model does not learn to start a fortune over
 once it has ended it (a first version, the whole repeated text as one example, made it write `%` and say the
 fortune again where it should have stopped). The held-out log then also holds the loss of a held-out fortune's
-second saying (val_copy_loss: near zero once the model copies).
+second saying (val_copy_loss: near zero once the model copies). Not the shipped weights: with S = 0.25 (1500 steps,
+an H200, 5583351) the model copied (second saying 0.19 nats/token) and n-gram speculation ran a copy-heavy single
+stream 2.88x faster, but greedy decoding under a JSON grammar copied its own output until max_tokens (a key and
+value said over and over, where the model trained without copies closes `{}`).
 """
 import argparse
 import gzip
@@ -132,8 +136,8 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--max-seconds", type=float, default=240.0, help="training time budget (the schedule "
                         "ends at --steps or at this, whichever comes first)")
-    parser.add_argument("--repeat-share", type=float, default=0.25, help="share of training examples that copy a "
-                        "fortune said before them (the module doc says why; 0: none)")
+    parser.add_argument("--repeat-share", type=float, default=0.0, help="share of training examples that copy a "
+                        "fortune said before them (the module doc says why)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
     parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
     args = parser.parse_args(argv)
