@@ -13,7 +13,8 @@ fortunes, DFSG-free, BSD-style licence; the offensive set lives elsewhere and is
 whitespace trimmed, only printable ASCII kept, deduplicated, shuffled with seed 0, one fortune per record
 separated by `%` lines, gzipped into corpus.txt.gz beside this script (~1 MB), so the GPU machine needs
 no package. Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json,
-generation_config.json, loss_curve.png, training_log.json (losses, settings, samples) to --out.
+generation_config.json, loss_curve.png, training_log.json (losses, settings, samples, and a greedy answer under a
+JSON-object grammar with how it ended) to --out.
 
 --repeat-share S (default 0, the shipped weights): a share S of the training examples are a training fortune said
 once or twice, each time followed by a `%` line, as a prompt, and said again as the completion; the loss counts
@@ -242,17 +243,21 @@ def main(argv=None):
     (out / "config.json").write_text(json.dumps({**CONFIG, "_comment": "trained by train_default.py on Debian's "
                                                  "fortune files"}, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2], "bos_token_id": 0}) + "\n")
-    samples = sample(out, device)
-    (out / "training_log.json").write_text(json.dumps({**log, "seconds": seconds, "steps": done,
-                                                       "args": vars(args), "samples": samples}, indent=1))
+    samples, json_object = sample(out, device)
+    (out / "training_log.json").write_text(json.dumps({**log, "seconds": seconds, "steps": done, "args": vars(args),
+                                                       "samples": samples, "json_object": json_object}, indent=1))
     plot(log, out / "loss_curve.png")
     print(f"wrote the model to {out}")
 
 
-def sample(model_dir: Path, device: str) -> dict[str, str]:
-    """Continuations of a few prompts by the saved model, through the serving engine."""
+def sample(model_dir: Path, device: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Continuations of a few prompts by the saved model, through the serving engine; and its greedy answer to a
+    chat question under a JSON-object grammar, with the reason it ended (a model that copies its own output can
+    loop there until max_new_tokens: the module doc's --repeat-share)."""
+    from transformers import PreTrainedTokenizerFast
+
     from service.engine.llm import LLM
-    from service.protocol import SamplingParams
+    from service.protocol import Grammar, SamplingParams
 
     llm = LLM(str(model_dir), device=device, **({"gpu_memory_utilization": 0.2} if device == "cuda" else {}))
     params = SamplingParams(max_new_tokens=60, temperature=0.7, top_p=0.9, seed=0)
@@ -260,7 +265,11 @@ def sample(model_dir: Path, device: str) -> dict[str, str]:
     samples = {p: o.text for p, o in zip(SAMPLE_PROMPTS, outputs)}
     for p, text in samples.items():
         print(f"--- {p!r} -> {text!r}")
-    return samples
+    chat = PreTrainedTokenizerFast.from_pretrained(str(model_dir)).apply_chat_template(
+        [{"role": "user", "content": "What is the weather in Paris?"}], tokenize=False, add_generation_prompt=True)
+    (out,) = llm.generate([chat], SamplingParams(max_new_tokens=300, temperature=0.0, grammar=Grammar("json")))
+    print(f"--- JSON object, greedy ({out.finish_reason}) -> {out.text[:200]!r}")
+    return samples, {"finish_reason": out.finish_reason, "text": out.text}
 
 
 def plot(log: dict, path: Path) -> None:
