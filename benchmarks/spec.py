@@ -291,8 +291,9 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
     which the model continues on its own. tokens/s counts the tokens generated."""
     texts = gzip.decompress((DEFAULT_MODEL_DIR / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
     fortunes = [t for t in texts[100:2000] if 60 < len(t) < 160 and " " in t[20:40]][:count]
-    workloads = {"copy_heavy": [f + "\n%\n" + f + "\n%\n" + f[:f.index(" ", 20)] for f in fortunes],
-                 "free": [f[:f.index(" ", 20)] for f in fortunes]}
+    starts = [f[:f.index(" ", 20)] for f in fortunes]
+    workloads = {"copy_heavy": [f + "\n%\n" + f + "\n%\n" + start for f, start in zip(fortunes, starts)],
+                 "free": starts}
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     rows = []
     for name, prompts in workloads.items():

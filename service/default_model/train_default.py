@@ -20,9 +20,8 @@ JSON-object grammar with how it ended) to --out.
 once or twice, each time followed by a `%` line, as a prompt, and said again as the completion; the loss counts
 only that last saying. A model that never sees a passage twice learns no copying, and n-gram speculative decoding
 (benchmarks/spec.py's copy-heavy prompts: a fortune, again, then its start) gains only where the model repeats its
-context.
-Since no loss falls on what follows a fortune's first saying, the model does not learn to start a fortune over
-once it has ended it (a first version, the whole repeated text as one example, made it write `%` and say the
+context. Since no loss falls on what follows a fortune's first saying, the model does not learn to start a fortune
+over once it has ended it (a first version, the whole repeated text as one example, made it write `%` and say the
 fortune again where it should have stopped). The held-out log then also holds the loss of a held-out fortune's
 second saying (val_copy_loss: near zero once the model copies). Not the shipped weights: with S = 0.25 (1500 steps,
 an H200, 5583351) the model copied (second saying 0.19 nats/token) and n-gram speculation ran a copy-heavy single
