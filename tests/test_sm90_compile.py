@@ -122,7 +122,9 @@ def decode_split_ptx(rope: bool, merge: bool) -> str:
     constexprs = dict(GROUP=7, SEQLEN_Q=1, NUM_SPLITS=16, BLOCK_SIZE=16, HEAD_DIM=64, HEAD_DIM_PADDED=64,
                       BLOCK_M=16, BLOCK_N=128, IS_CAUSAL=True, VARLEN_Q=False, ROPE_SPLITS=4 if rope else 0,
                       MERGE_IN_SPLIT=merge, SPLITS_PADDED=16, PDL=True)
-    kernel = compile_for_sm90(_decode_split_kernel, pointers, constexprs, num_warps=4)
+    # Every pointer a decode step passes is 16-byte aligned (its allocations, and views at multiples of 64 elements)
+    aligned = [name for name, kind in pointers.items() if kind.startswith("*")]
+    kernel = compile_for_sm90(_decode_split_kernel, pointers, constexprs, num_warps=4, divisible=aligned)
     assert kernel.asm["cubin"]
     return kernel.asm["ptx"]
 
