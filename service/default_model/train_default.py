@@ -26,7 +26,11 @@ fortune again where it should have stopped). The held-out log then also holds th
 second saying (val_copy_loss: near zero once the model copies). Not the shipped weights: with S = 0.25 (1500 steps,
 an H200, 5583351) the model copied (second saying 0.19 nats/token) and n-gram speculation ran a copy-heavy single
 stream 2.88x faster, but greedy decoding under a JSON grammar copied its own output until max_tokens (a key and
-value said over and over, where the model trained without copies closes `{}`).
+value said over and over, where the model trained without copies closes `{}`). Tried on the same H200 (ad77807,
+since removed): other fortunes said among the first sayings and a share of the records ending in a new fortune, so
+that the model copies only a passage whose start repeats; at shares 0.12-0.25 with a quarter or half of them new,
+1500 or 3000 steps, none of five variants learned to copy (second saying 4.2-5.7 nats/token; two of them looped
+under the JSON grammar all the same), and S = 0.1 of plain copies neither copied (4.7) nor stayed out of the loop.
 """
 import argparse
 import gzip
@@ -114,15 +118,10 @@ def batches(examples, tokens_per_batch: int, rng: random.Random, repeats=(), rep
         yield batch
 
 
-def repeated(text: str, others: list[str], rng: random.Random, novel: float) -> dict:
+def repeated(text: str, rng: random.Random) -> dict:
     """A training record: a fortune said once or twice, a `%` line after each, then said again, the loss on the last
-    saying only (the module doc says why). With novel > 0, up to two other fortunes are said among those sayings,
-    and a share `novel` of the records end in a fortune not said before (the model learns to copy a passage only
-    once its start repeats one, not whatever follows a `%`)."""
-    said = [text] * rng.choice((1, 2)) + [rng.choice(others) for _ in range(rng.choice((0, 1, 2)) if novel else 0)]
-    rng.shuffle(said)
-    completion = rng.choice(others) if rng.random() < novel else text
-    return {"prompt": SEPARATOR.join(said) + SEPARATOR, "completion": completion}
+    saying only (the module doc says why)."""
+    return {"prompt": SEPARATOR.join([text] * rng.choice((1, 2))) + SEPARATOR, "completion": text}
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -143,8 +142,6 @@ def main(argv=None):
                         "ends at --steps or at this, whichever comes first)")
     parser.add_argument("--repeat-share", type=float, default=0.0, help="share of training examples that copy a "
                         "fortune said before them (the module doc says why)")
-    parser.add_argument("--repeat-novel", type=float, default=0.0, help="share of those examples whose last "
-                        "fortune is a new one, other fortunes said among the first (the module doc says why)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
     parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
     args = parser.parse_args(argv)
@@ -170,8 +167,8 @@ def main(argv=None):
         # Fortunes that fit MAX_TOKENS whole, said again; of held-out ones, the second saying after the first in the
         # prompt (what copying predicts)
         whole = [len(ex.token_ids) < MAX_TOKENS for ex in held_out + examples]
-        fitting = [t for t, fits in zip(texts[split:], whole[split:]) if fits]
-        repeats = [tokenize(repeated(t, fitting, rng, args.repeat_novel), tokenizer) for t in fitting]
+        repeats = [tokenize(repeated(t, rng), tokenizer)
+                   for t, fits in zip(texts[split:], whole[split:]) if fits]
         held_out_copies = [tokenize({"prompt": t + SEPARATOR, "completion": t}, tokenizer)
                            for t, fits in zip(texts[:split], whole[:split]) if fits]
 
