@@ -24,9 +24,9 @@ the load stops, the server must go idle, and the run passes when no good request
 5xx, the gauges are back to 0, the job succeeded, and memory is flat: from the job's end on, the median of the last
 third of the samples within max(5%, 64 MiB) of the first third's (host RSS and GPU memory alike); on the GPU also
 when ITL p50 over the intervals after the job succeeded (its model on a share of the requests) is within 1.2x of
-the intervals before the job started (on the GPU the job starts a third of the way in, so that these are many) (`adapters_itl`, issue 31's bound). Writes soak.json
-(outcomes per interval and per kind) and soak.png to --out, prints a line per sample and a verdict, and exits 1
-when the run failed.
+the intervals before the job started (`adapters_itl`, issue 31's bound; on the GPU the job starts a third of the way
+in, so that those are many). Writes soak.json (outcomes per interval and per kind) and soak.png to --out, prints a
+line per sample and a verdict, and exits 1 when the run failed.
 """
 import argparse
 import asyncio

@@ -7,11 +7,20 @@ Batch 64 (and 1), 128-token random prompts, up to 256 new tokens, sampled at tem
 add a per-row draw to every step, constrained or not). Constrained
 outputs that end (finish "stop") are parsed and checked against the schema with `jsonschema` when installed.
 
-python benchmarks/structured.py [--out DIR]
+Section `masks` (host only, runs anywhere): the CPU time of one step's token masks (Grammars.fill_masks) for 1 to
+64 grammar-bound rows, each at its own point of its output, with the rows shared among 1 or more threads
+(service/engine/grammar.py's FILL_THREADS): the embedded 4096-token tokenizer under the schema above, and
+benchmarks/serve.py's word-level vocabulary of 151,936 `w<digits>` words under a regex of its words (what the soak's
+structured requests are on the GPU checkpoint). The step waits on these masks where they take longer than the
+forward pass.
+
+python benchmarks/structured.py [--out DIR] [--sections decode,masks] [--smoke]
 """
 import argparse
 import json
 import os
+import random
+import statistics
 import sys
 import tempfile
 import time
@@ -22,6 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, PROMPT_LEN, write_checkpoint  # noqa: E402
+from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.serve import write_word_tokenizer  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR  # noqa: E402
+from service.engine.grammar import FILL_THREADS, Grammars  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import Grammar, SamplingParams  # noqa: E402
 
@@ -100,22 +113,82 @@ def run(llm: LLM, prompts: list[list[int]], grammar: Grammar | None, timers: Tim
             "validated": valid, "checked": checked}
 
 
+def mask_times(rows_list: list[int], threads_list: list[int], steps: int) -> list[dict]:
+    """Grammars.fill_masks' milliseconds per step (median over `steps`), per vocabulary case, rows and threads. Each
+    row starts a few tokens into its output and takes a random allowed token (no stop) after every fill, the same
+    ones whatever the threads (the masks are the same); a row the grammar ends starts over."""
+    words_dir = Path(tempfile.mkdtemp(prefix="bench-structured-words-"))
+    write_word_tokenizer(words_dir, CONFIG["vocab_size"], CONFIG["eos_token_id"])
+    cases = {"embedded 4096, JSON schema": (DEFAULT_MODEL_DIR, 4096, 2, Grammar("json", json.dumps(ORDER))),
+             "word-level 151936, regex": (words_dir, CONFIG["vocab_size"], CONFIG["eos_token_id"],
+                                          Grammar("regex", "(w[0-9]{1,3}){1,64}"))}
+    results = []
+    for case, (model_dir, vocab, stop, grammar) in cases.items():
+        for threads in threads_list:
+            grammars = Grammars(model_dir, vocab, [stop], fill_threads=threads)
+            compiled = grammars.compile(grammar).result()
+            json_rows = grammar.kind == "json"
+            for rows in rows_list:
+                rng = random.Random(rows)
+                matchers = [grammars.matcher(compiled) for _ in range(rows)]
+                times = []
+                for step in range(steps + 8):  # 8 untimed steps: the rows spread over their outputs
+                    start = time.perf_counter()
+                    masks = grammars.fill_masks(matchers, list(range(rows)) if json_rows else [])
+                    if step >= 8:
+                        times.append(time.perf_counter() - start)
+                    for row, matcher in enumerate(matchers):
+                        bits = (masks[row].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
+                        allowed = [t for t in bits.flatten()[:grammars.vocab_size].nonzero().flatten().tolist()
+                                   if t != stop]
+                        if not allowed or not matcher.accept_token(rng.choice(allowed)) or matcher.is_terminated():
+                            matchers[row] = grammars.matcher(compiled)
+                ms = 1e3 * statistics.median(times)
+                results.append({"case": case, "rows": rows, "threads": threads, "ms_per_step": ms})
+                print(f"{case:>28} {rows:5d} rows {threads:3d} threads {ms:8.3f} ms a step", flush=True)
+            grammars.shutdown()
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--profile", action="store_true", help="time the engine's host parts per step")
+    parser.add_argument("--sections", default="decode,masks", help="decode (CUDA), masks (host only)")
+    parser.add_argument("--smoke", action="store_true", help="masks: a few steps of few rows (CI)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    path = out / "structured.json"
+    results = json.loads(path.read_text()) if path.is_file() else {}
+    sections = args.sections.split(",")
+    if "masks" in sections:
+        threads = sorted({1, 2, FILL_THREADS})
+        rows = [1, 4] if args.smoke else [1, 8, 32, 64]
+        results["masks"] = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(),
+                            "rows": mask_times(rows, threads, 3 if args.smoke else 50)}
+        path.write_text(json.dumps(results, indent=2))
+        cells = results["masks"]["rows"]
+        label = lambda c: f"{c['case']}, {c['rows']} rows"  # noqa: E731
+        labels = list(dict.fromkeys(map(label, cells)))
+        series = {f"{t} threads": [next(c["ms_per_step"] for c in cells if c["threads"] == t and label(c) == name)
+                                   for name in labels] for t in threads}
+        grouped_bars(out / "structured_masks.png", labels, series, "ms a step",
+                     f"Token masks of one step on the host ({os.cpu_count()} CPUs)", figsize=(14, 5))
+    if "decode" in sections:
+        decode(args, out, results)
+
+
+def decode(args, out: Path, results: dict) -> None:
+    """Constrained against free decoding at batch 1 and 64 (the module doc)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
     write_checkpoint(tmp)
     llm = LLM(str(tmp), dtype="bfloat16", max_num_seqs=256, gpu_memory_utilization=0.6, max_model_len=4096)
     g = torch.Generator().manual_seed(0)
     grammar = Grammar("json", json.dumps(ORDER))
     llm.engine.grammars.compile(grammar).result()  # compiled once, as a server's cache would hold it
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "commit": os.environ.get("BENCH_COMMIT"), "rows": [],
-               "config": "Qwen2.5-0.5B-shaped, random bf16, embedded 4096-token tokenizer"}
+    results |= {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(), "rows": [],
+                "config": "Qwen2.5-0.5B-shaped, random bf16, embedded 4096-token tokenizer"}
     prompt = lambda: torch.randint(0, CONFIG["vocab_size"], (PROMPT_LEN,), generator=g).tolist()  # noqa: E731
     timers = Timers(llm.engine) if args.profile else None
     run(llm, [prompt() for _ in range(8)], grammar)  # warm-up: kernels, xgrammar's threads
@@ -131,7 +204,7 @@ def main():
         ratio = bound["tok_per_s"] / free["tok_per_s"]
         results[f"ratio_batch{batch}"] = ratio
         print(f"batch {batch}: constrained / free tok/s = {ratio:.2f}")
-    (out / "structured.json").write_text(json.dumps(results, indent=2))
+    (out / "structured.json").write_text(json.dumps(results, indent=2))  # with the masks section's, if it ran
     labels = [f"batch {b}" for b in (1, 64)]
     series = {mode: [r["tok_per_s"] for r in results["rows"] if r["mode"] == mode] for mode in ("free", "json_schema")}
     grouped_bars(out / "structured.png", labels, series, "tok/s",

@@ -588,6 +588,40 @@ def test_sampler_grammar_masks_forbid_every_other_token_and_the_ids_past_the_tok
     assert tokens[0] in (3, 5) and tokens[1] == 7 and tokens[2] == 60
 
 
+@pytest.mark.parametrize("spread_ms", [0.0, 1e9], ids=["threads", "one-by-one"])
+def test_grammar_masks_of_many_rows_filled_on_threads_equal_those_filled_one_by_one(monkeypatch, spread_ms):
+    """Grammars.fill_masks shares the rows among threads where masks are dear (SPREAD_MS 0: always): every row's bits
+    (a JSON schema, any JSON, a regex, each at its own point of the output, and a finished row that allows
+    everything) equal its matcher's own fill."""
+    from service.engine import grammar as grammar_module
+    from service.engine.grammar import Grammars
+    from service.text import load_tokenizer
+
+    monkeypatch.setattr(grammar_module, "SPREAD_MS", spread_ms)
+    grammars = Grammars(DEFAULT_MODEL_DIR, 4096, [2], fill_threads=3)
+    tokenizer = load_tokenizer(DEFAULT_MODEL_DIR)
+    person = json.dumps({"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]})
+    rows = [(Grammar("json", person), '{"name": "Al'), (Grammar("json"), '{"a": [1, '), (Grammar("json"), ""),
+            (Grammar("regex", r"[a-z]{2,5}-\d{3}"), "abc-1"), (Grammar("regex", "yes|no"), "yes"),
+            (Grammar("json", person), "")]
+    matchers = []
+    for grammar, said in rows:
+        matcher = grammars.matcher(grammars.compile(grammar).result())
+        assert all(Grammars.accept([matcher], [t]) == [True] for t in tokenizer.encode(said, add_special_tokens=False))
+        matchers.append(matcher)
+    matchers[4].accept_token(2)  # "yes" then EOS: finished
+    assert matchers[4].is_terminated()
+    grammars.fill_masks(matchers, json_rows=[])  # the first step measures what a mask costs
+    filled = grammars.fill_masks(matchers, json_rows=[])
+    for row, matcher in enumerate(matchers):
+        alone = torch.full((1, grammars.words), -1, dtype=torch.int32)
+        if not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(alone, 0)
+        assert torch.equal(filled[row], alone[0]), row
+    assert not torch.equal(filled[0], filled[1]) and (filled[4] == -1).all()
+    grammars.shutdown()
+
+
 def test_the_tokenizers_eos_id_is_read_from_its_files(model_dir):
     """The engine core takes the tokenizer's EOS id from tokenizer_config.json and tokenizer.json, without loading
     the tokenizer: it must be the id the tokenizer itself has."""

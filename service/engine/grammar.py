@@ -14,6 +14,7 @@ CPU while the GPU runs the step's forward pass, and the sampler applies them to 
 """
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -29,6 +30,15 @@ from service.protocol import Grammar
 log = logging.getLogger(__name__)
 COMPILE_THREADS = 2
 SPARE_THREADS = 2  # for compiles nobody waits for any more (timed out, or their clients left): xgrammar runs them out
+# Threads that fill one step's masks, a share of the rows each (xgrammar lets go of the GIL while it fills): a row
+# can cost a millisecond where few of a vocabulary's tokens are decided when the grammar compiles (1.1 ms for
+# benchmarks/serve.py's word-level 151,936-token vocabulary under a regex of its words, on the development machine's
+# CPU), and the step waits on the sum. Half the cores, at most 8: several engine cores share a host under data
+# parallelism. The rows are shared out only where the last step's masks, filled one after another, would take
+# SPREAD_MS or more: handing rows to threads costs ~0.1 ms, more than 64 rows of JSON masks on the embedded model's
+# vocabulary take in all (benchmarks/structured.py --sections masks).
+FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+SPREAD_MS = 0.5
 TOO_SLOW_REMEMBERED = 1024  # grammars that timed out, refused at once when asked for again
 # xgrammar's messages start with a timestamp and a C++ source location: the client needs neither.
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -46,11 +56,15 @@ def _message(error: Exception) -> str:
 class Grammars:
     """The engine's compiler of request grammars for one tokenizer and vocabulary."""
 
-    def __init__(self, model_dir, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 128 << 20):
+    def __init__(self, model_dir, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 128 << 20,
+                 fill_threads: int = FILL_THREADS):
         self._model_dir, self._model_vocab_size, self._stop_token_ids = model_dir, vocab_size, stop_token_ids
+        self._fill_threads = fill_threads
         self.vocab_size = vocab_size  # until the tokenizer has loaded (the first grammar's compile)
         self.cache_bytes = cache_bytes
         self._compiler = self._json_tokens = None
+        self._fill_pool = ThreadPoolExecutor(fill_threads, thread_name_prefix="grammar-masks")
+        self._row_ms = 0.0  # a mask's milliseconds at the last step, as filled alone
         self._starting = threading.Lock()  # the first compiles, on two threads, start the compiler once
         self._pool = ThreadPoolExecutor(COMPILE_THREADS + SPARE_THREADS, thread_name_prefix="grammar")
         self._live: dict[int, list] = {}  # id of a compiled grammar running requests hold -> [it, bytes, holders]
@@ -161,11 +175,20 @@ class Grammars:
         pinned memory (ready for a copy to the device that does not wait). A finished matcher allows everything:
         its row's token is dropped anyway. json_rows: the rows of JSON grammars."""
         masks = torch.full((len(matchers), self.words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
-        # One row at a time: 64 rows took 0.36 ms on the H100 host (xgrammar's BatchGrammarMatcher, with its
-        # threads, has not been measured since the masks stopped covering padded ids).
-        for row, matcher in enumerate(matchers):
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(masks, row)
+        live = [row for row, matcher in enumerate(matchers) if not matcher.is_terminated()]
+
+        def fill(rows: list[int]) -> None:
+            for row in rows:
+                matchers[row].fill_next_token_bitmask(masks, row)
+
+        threads = min(self._fill_threads, len(live)) if len(live) * self._row_ms >= SPREAD_MS else 1
+        start = time.perf_counter()
+        if threads > 1:
+            list(self._fill_pool.map(fill, [live[i::threads] for i in range(threads)]))
+        else:
+            fill(live)
+        if live:
+            self._row_ms = (time.perf_counter() - start) * 1e3 * threads / len(live)
         if len(json_rows) == len(matchers):
             masks &= self._json_tokens
         else:
@@ -186,6 +209,7 @@ class Grammars:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False)
 
 
 @dataclass
