@@ -169,12 +169,12 @@ def main():
                             "rows": mask_times(rows, threads, 3 if args.smoke else 50)}
         path.write_text(json.dumps(results, indent=2))
         cells = results["masks"]["rows"]
-        label = lambda c: f"{c['case']}, {c['rows']} rows"  # noqa: E731
+        label = lambda c: f"{c['case'].split(',')[0]}\n{c['case'].split(', ')[1]}, {c['rows']} rows"  # noqa: E731
         labels = list(dict.fromkeys(map(label, cells)))
         series = {f"{t} threads": [next(c["ms_per_step"] for c in cells if c["threads"] == t and label(c) == name)
                                    for name in labels] for t in threads}
-        grouped_bars(out / "structured_masks.png", labels, series, "ms a step",
-                     f"Token masks of one step on the host ({os.cpu_count()} CPUs)", figsize=(14, 5))
+        grouped_bars(out / "structured_masks.png", labels, series, "ms a step (log)",
+                     f"Token masks of one step on the host ({os.cpu_count()} CPUs)", log=True, figsize=(16, 5))
     if "decode" in sections:
         decode(args, out, results)
 
