@@ -37,7 +37,8 @@ SPARE_THREADS = 2  # for compiles nobody waits for any more (timed out, or their
 # parallelism. The rows are shared out only where the last step's masks, filled one after another, would take
 # SPREAD_MS or more: handing rows to threads costs ~0.1 ms, more than 64 rows of JSON masks on the embedded model's
 # vocabulary take in all (benchmarks/structured.py --sections masks).
-FILL_THREADS = max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+_CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # ours to use
+FILL_THREADS = max(1, min(8, _CPUS // 2))
 SPREAD_MS = 0.5
 TOO_SLOW_REMEMBERED = 1024  # grammars that timed out, refused at once when asked for again
 # xgrammar's messages start with a timestamp and a C++ source location: the client needs neither.
