@@ -31,6 +31,10 @@ since removed): other fortunes said among the first sayings and a share of the r
 that the model copies only a passage whose start repeats; at shares 0.12-0.25 with a quarter or half of them new,
 1500 or 3000 steps, none of five variants learned to copy (second saying 4.2-5.7 nats/token; two of them looped
 under the JSON grammar all the same), and S = 0.1 of plain copies neither copied (4.7) nor stayed out of the loop.
+
+--json-share J (default 0, the shipped weights): a share J of the training examples are a fortune as a JSON object,
+`{"quote": "...", "by": "..."}` (the attribution where the fortune has one), so that the model learns to close an
+object and end: a model that copies might then stop where it loops now. Not yet tried on a GPU.
 """
 import argparse
 import gzip
@@ -105,13 +109,20 @@ def save_tokenizer(tok: Tokenizer, out: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(out))
 
 
-def batches(examples, tokens_per_batch: int, rng: random.Random, repeats=(), repeat_share: float = 0.0):
-    """Endless random batches of whole examples holding about tokens_per_batch tokens, a share repeat_share of
-    them drawn from `repeats` instead."""
+def batches(examples, tokens_per_batch: int, rng: random.Random, extra=()):
+    """Endless random batches of whole examples holding about tokens_per_batch tokens; extra: (pool, share) pairs,
+    a share of the examples drawn from each pool instead."""
     while True:
         batch, size = [], 0
         while size < tokens_per_batch:
-            pool = repeats if repeats and rng.random() < repeat_share else examples
+            pool = examples
+            if extra:  # (no draw without: the shipped weights' stream of examples stays as it was)
+                u = rng.random()
+                for other, share in extra:
+                    if u < share:
+                        pool = other
+                        break
+                    u -= share
             ex = pool[rng.randrange(len(pool))]
             batch.append(ex)
             size += len(ex.token_ids)
@@ -122,6 +133,13 @@ def repeated(text: str, rng: random.Random) -> dict:
     """A training record: a fortune said once or twice, a `%` line after each, then said again, the loss on the last
     saying only (the module doc says why)."""
     return {"prompt": SEPARATOR.join([text] * rng.choice((1, 2))) + SEPARATOR, "completion": text}
+
+
+def as_json(text: str) -> dict:
+    """A training record: a fortune as a JSON object, written as the service's JSON outputs are (its words, and who
+    said them where it says; the module doc says why)."""
+    body, attributed, author = text.rpartition("\n\t\t-- ")
+    return {"text": json.dumps({"quote": body, "by": author} if attributed else {"quote": text})}
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
@@ -142,6 +160,8 @@ def main(argv=None):
                         "ends at --steps or at this, whichever comes first)")
     parser.add_argument("--repeat-share", type=float, default=0.0, help="share of training examples that copy a "
                         "fortune said before them (the module doc says why)")
+    parser.add_argument("--json-share", type=float, default=0.0, help="share of training examples that are a "
+                        "fortune as a JSON object (the module doc says why)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
     parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
     args = parser.parse_args(argv)
@@ -217,7 +237,9 @@ def main(argv=None):
                             if k != "lm_head.weight"})
 
     start, done = time.perf_counter(), 0
-    stream = batches(examples, args.tokens_per_step, rng, repeats, args.repeat_share)
+    jsons = [tokenize(as_json(t), tokenizer) for t in texts[split:]] if args.json_share else []
+    extra = [(pool, share) for pool, share in ((repeats, args.repeat_share), (jsons, args.json_share)) if share]
+    stream = batches(examples, args.tokens_per_step, rng, extra)
     for step in range(args.steps):
         # Progress in steps or in time, whichever is further: a slower GPU still ends its schedule in time.
         progress = max(step / args.steps, (time.perf_counter() - start) / args.max_seconds)
