@@ -169,17 +169,17 @@ def main():
                             "rows": mask_times(rows, threads, 3 if args.smoke else 50)}
         path.write_text(json.dumps(results, indent=2))
         cells = results["masks"]["rows"]
-        label = lambda c: f"{c['case'].split(',')[0]}\n{c['case'].split(', ')[1]}, {c['rows']} rows"  # noqa: E731
+        label = lambda c: f"{c['case'].replace(', ', chr(10), 1)}, {c['rows']} rows"  # noqa: E731 (two lines)
         labels = list(dict.fromkeys(map(label, cells)))
         series = {f"{t} threads": [next(c["ms_per_step"] for c in cells if c["threads"] == t and label(c) == name)
                                    for name in labels] for t in threads}
         grouped_bars(out / "structured_masks.png", labels, series, "ms a step (log)",
                      f"Token masks of one step on the host ({os.cpu_count()} CPUs)", log=True, figsize=(16, 5))
     if "decode" in sections:
-        decode(args, out, results)
+        decode(args, out, path, results)
 
 
-def decode(args, out: Path, results: dict) -> None:
+def decode(args, out: Path, path: Path, results: dict) -> None:
     """Constrained against free decoding at batch 1 and 64 (the module doc)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
     write_checkpoint(tmp)
@@ -204,7 +204,7 @@ def decode(args, out: Path, results: dict) -> None:
         ratio = bound["tok_per_s"] / free["tok_per_s"]
         results[f"ratio_batch{batch}"] = ratio
         print(f"batch {batch}: constrained / free tok/s = {ratio:.2f}")
-    (out / "structured.json").write_text(json.dumps(results, indent=2))  # with the masks section's, if it ran
+    path.write_text(json.dumps(results, indent=2))  # with the masks section's, if it ran
     labels = [f"batch {b}" for b in (1, 64)]
     series = {mode: [r["tok_per_s"] for r in results["rows"] if r["mode"] == mode] for mode in ("free", "json_schema")}
     grouped_bars(out / "structured.png", labels, series, "tok/s",
