@@ -34,7 +34,11 @@ under the JSON grammar all the same), and S = 0.1 of plain copies neither copied
 
 --json-share J (default 0, the shipped weights): a share J of the training examples are a fortune as a JSON object,
 `{"quote": "...", "by": "..."}` (the attribution where the fortune has one), so that the model learns to close an
-object and end: a model that copies might then stop where it loops now. Not yet tried on a GPU.
+object and end: a model that copies might then stop where it loops now. Tried on an H200 (ba005e7, 1500 steps, three
+at a time, 76-78 s each): S = 0.25 with J = 0.1 copied (second saying 0.33 nats/token) and closed `{}` under the
+JSON-object grammar, but looped inside a required tool call until max_tokens (tests/test_structured_outputs.py's
+required tool choice); S = J = 0.25 copied (0.31) and looped in the object; S = J = 0.15 did not copy (4.2) and
+looped. None is shipped.
 """
 import argparse
 import gzip
