@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
-from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, shrink_chunks_args
+from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, _update_a, _with_update, shrink_chunks_args
 
 
 @triton.jit
@@ -96,10 +96,10 @@ def _summed(ptr, stride_split, mask, SPLITS: tl.constexpr, dtype: tl.constexpr):
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res,
                          stride_res_out, stride_out, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1,
-                         A2, SPLITS: tl.constexpr, BLOCK: tl.constexpr, SHRINKS: tl.constexpr,
-                         NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr,
-                         RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
-                         SLOTS_PADDED: tl.constexpr, PDL: tl.constexpr):
+                         A2, XU, stride_xu, K_U, U_A, U_B, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         SHRINKS: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr,
+                         TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                         SLOTS_PADDED: tl.constexpr, UPDATE: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr):
     row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     live = chunk == 0
@@ -107,6 +107,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
                                                NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
         live = live | (slot >= 0)
+        if UPDATE:  # x's own projection's LoRA update, added here (add_rms_norm_shrinks' `update`): its A, too
+            a_u = _update_a(LW, stride_lw, slot, U_A, K_U, RANK, BLOCK_U)
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -114,6 +116,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
         ok = cols < n_cols
         dtype = res_ptr.dtype.element_ty
         x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
+        if UPDATE:
+            x = _with_update(x, a_u, XU, row, stride_xu, K_U, LW, stride_lw, slot, scale, U_B, cols, n_cols, RANK,
+                             BLOCK_U)
         res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
         # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
         total = (res + x).to(dtype)
@@ -136,27 +141,40 @@ def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 def add_rms_norm_shrinks(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, shrinks: tuple,
-                         columns: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         columns: bool = False, update: tuple | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """add_rms_norm_ that also computes the LoRA shrinks `shrinks` (rms_norm_shrinks', with its `columns`) of the
     projections that read the result, and writes the new residual to a new tensor (several programs read each row
-    of the old one). Returns (result, new residual, t)."""
+    of the old one). Returns (result, new residual, t).
+
+    update: (u [rows, K_u], A offset, B offset): x is the output of a projection of u (o's, of the attention's
+    output) still without its LoRA updates, which the kernel adds to x first, each row's slot's (the slots and
+    tiles of `shrinks`) scale * (u A^T) B^T rounded as kernels.lora.lora_add_ref rounds it: that projection's
+    shrink and expand launches saved."""
     new_residual = torch.empty_like(residual)
-    out, t = _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns)
+    out, t = _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns, update)
     return out, new_residual, t
 
 
-def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False):
+def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False, update=None):
     rows, dim = residual.shape
     splits = x.shape[0] if x.dim() == 3 else 1
     if x.shape[-2:] != residual.shape or x.stride(-1) != 1 or residual.stride(1) != 1:
         raise ValueError(f"x and residual must be [rows, dim] with unit column stride, got {tuple(x.shape)}, "
                          f"{tuple(residual.shape)}")
+    u, u_a, u_b = update if update is not None else (residual, 0, 0)
+    if update is not None and (shrinks is None or u.shape[0] != rows or u.stride(1) != 1):
+        raise ValueError(f"an update needs shrinks and its input [{rows}, K] with unit column stride, got "
+                         f"{tuple(u.shape)}")
     out, t, chunks, lora = shrink_chunks_args(residual, shrinks, columns)
     if rows:
+        # An update's A and B take 16K values each at rank 16 and K 896: eight warps hold them without spilling.
         _add_rms_norm_kernel[(rows, chunks)](
             x, residual, new_residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2), residual.stride(0),
-            new_residual.stride(0), out.stride(0), dim, eps, **lora, SPLITS=splits, BLOCK=triton.next_power_of_2(dim),
-            num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
+            new_residual.stride(0), out.stride(0), dim, eps, **lora, XU=u, stride_xu=u.stride(0), K_U=u.shape[1],
+            U_A=u_a, U_B=u_b, SPLITS=splits, BLOCK=triton.next_power_of_2(dim), UPDATE=update is not None,
+            BLOCK_U=triton.next_power_of_2(u.shape[1]) if update is not None else 16,
+            num_warps=4 if dim <= 4096 and update is None else 8, **pdl_launch(x.device))
     return out, t
 
 

@@ -52,6 +52,11 @@ COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
 COLUMNS_SHRINK_LAUNCH = True
+# Up to ROW_SHRINK_MAX_ROWS rows (tensor parallelism off), o's LoRA updates are added by the residual add that reads
+# o's output (kernels.elementwise.add_rms_norm_shrinks' `update`: its programs of a row with a slot read the
+# attention's output row, o's A and B), not by a shrink launch and o's GEMM over the slots' columns (or decode_linear
+# with its expands, up to its rows). benchmarks/lora.py times it both ways (variants).
+UPDATE_IN_NORM = True
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v); benchmarks/lora.py times 16384 beside it (variants), as the norms cost 3.5 us a launch in the LoRA graph
@@ -209,6 +214,33 @@ def _shrink_chunk(W, stride_w, SCALES, TILES, row, chunk, cols, K, A0, A1, A2, N
     if SLOTS > 0:  # the columns layout: each projection's columns hold every slot's ranks
         t_cols = part * (SLOTS * RANK) + r
     return slot, tl.load(SCALES + tl.maximum(slot, 0)), a, t_cols
+
+
+@triton.jit
+def _update_a(W, stride_w, slot, A_AT, K, RANK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """For a kernel that reads a projection's output and adds the LoRA update of it itself (kernels.elementwise's
+    residual add after o): the A [RANK, K] of that projection in the row's slot, zeros without a slot, to read
+    before the wait."""
+    k = tl.arange(0, BLOCK_K)
+    w = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + tl.multiple_of(A_AT, 16)
+    return tl.load(w + tl.arange(0, RANK)[:, None] * K + k[None, :], mask=k[None, :] < tl.where(slot >= 0, K, 0),
+                   other=0.0)
+
+
+@triton.jit
+def _with_update(y, a, X, row, stride_x, K, W, stride_w, slot, scale, B_AT, cols, n_cols, RANK: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """y, a row of a projection's output (float32, rounded as the layer rounds it, at columns cols of n_cols), plus
+    the update of the row's slot: scale * (x A^T) B^T for the row of the projection's input X [rows, K] and the A
+    _update_a read, the intermediate and the sum rounded to X's dtype as lora_add_ref rounds them. A row of no slot
+    reads nothing and keeps y."""
+    dtype = X.dtype.element_ty
+    k = tl.arange(0, BLOCK_K)
+    x = tl.load(X + row * stride_x + k, mask=k < tl.where(slot >= 0, K, 0), other=0.0).to(tl.float32)
+    t = (tl.sum(a.to(tl.float32) * x[None, :], 1) * scale).to(dtype).to(tl.float32)
+    b_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + tl.multiple_of(B_AT, 16) + cols[:, None] * RANK
+    b = tl.load(b_rows + tl.arange(0, RANK)[None, :], mask=cols[:, None] < tl.where(slot >= 0, n_cols, 0), other=0.0)
+    return (y + tl.sum(b.to(tl.float32) * t[None, :], 1)).to(dtype).to(tl.float32)
 
 
 @triton.jit

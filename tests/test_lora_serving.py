@@ -171,6 +171,47 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
 
 
+@pytest.mark.parametrize("rows,slots,splits,columns", [(1, 1, 1, False), (13, 3, 4, False), (37, 8, 1, True),
+                                                     (21, 3, 2, True)])
+def test_the_residual_add_adds_the_lora_update_of_the_projection_it_reads(device, rows, slots, splits, columns):
+    """add_rms_norm_shrinks' `update`, as the add after o takes it: x, o's output (whole, or float32 partial sums
+    over ranges of o's K as decode_linear writes them), gets each adapter row's update of o from o's input u (a
+    view, K not a power of two) before the residual add; the result, the new residual and the next projections'
+    shrinks are then those of x with the update added by lora_add_ref, and rows of no slot are those without."""
+    from kernels.elementwise import add_rms_norm_shrinks
+
+    k, k_u, r = 200, 72, 16
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
+        gen = torch.Generator().manual_seed(rows + splits)
+        weights, scales, parts = random_slots((48, 48), k, slots, r, device, dtype, gen)
+        o_weights, _, ((_, a_o, b_o),) = random_slots((k,), k_u, slots, r, device, dtype, gen)
+        a_o, b_o = a_o + weights.shape[1], b_o + weights.shape[1]  # o's pair after gate's and up's in each slot
+        weights = torch.cat([weights, o_weights], dim=1)
+        x = torch.randn(splits, rows, k, generator=gen).to(device, torch.float32 if splits > 1 else dtype)
+        u = torch.randn(rows, k_u + 5, generator=gen).to(device, dtype)[:, :k_u]
+        residual, norm_weight = torch.randn(rows, k, generator=gen).to(device, dtype), torch.randn(k).to(device, dtype)
+        row_slots = np.arange(rows, dtype=np.int32) % slots
+        row_slots[rows // 2] = -1 if rows > 1 else row_slots[0]
+        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
+        shrinks = (weights, scales, tiles, r, [a for _, a, _ in parts])
+        summed = x[0].float()
+        for s in range(1, splits):  # in the kernel's order: rows of no slot compare exactly
+            summed = summed + x[s].float()
+        y = summed.to(dtype, copy=True)
+        base = add_rms_norm_shrinks(y.clone(), residual, norm_weight, 1e-6, shrinks, columns)
+        lora_add_ref(u, [(y, a_o, b_o)], weights, scales, torch.from_numpy(row_slots).to(device), r)
+        want = add_rms_norm_shrinks(y, residual, norm_weight, 1e-6, shrinks, columns)
+        got = add_rms_norm_shrinks(x if splits > 1 else x[0], residual, norm_weight, 1e-6, shrinks, columns,
+                                   update=(u, a_o, b_o))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        plain = torch.from_numpy(row_slots < 0).to(device)
+        for g, w, b in zip(got, want, base) if columns else zip(got[:2], want[:2], base[:2]):
+            assert rel_err(g, w) < tol and torch.equal(g[plain], b[plain])
+        if not columns:  # the compact shrinks: rows of no slot are left unset
+            assert rel_err(got[2][~plain], want[2][~plain]) < tol
+        assert rel_err(got[1], base[1]) > 10 * tol  # the update is there
+
+
 @pytest.mark.parametrize("rows,k,widths,slots,silu", [(23, 200, (96,), 4, False), (40, 300, (64, 32, 32), 8, False),
                                                       (17, 96, (48,), 1, False), (20, 1100, (32,), 2, False),
                                                       (23, 200, (96,), 4, True), (20, 2100, (32,), 2, True),

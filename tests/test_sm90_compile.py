@@ -147,9 +147,10 @@ def lora_ptx(kernel: str) -> str:
     return launched_ptx(module, kernel, lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16), PDL=True)
 
 
-def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = False) -> str:
+def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = False, update: bool = False) -> str:
     """kernels.elementwise's rms_norm_shrinks (add_rms_norm_shrinks where `add`) of `rows` bf16 rows, K = k,
-    computing the shrinks of `parts` projections of rank 16 over 8 slots (in the columns layout where `columns`)."""
+    computing the shrinks of `parts` projections of rank 16 over 8 slots (in the columns layout where `columns`);
+    update: adding first the LoRA update of the projection from 896 columns whose output the rows are (o's)."""
     import numpy as np
     import torch
 
@@ -157,12 +158,14 @@ def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = Fals
     from kernels.lora import lora_tiles, max_tiles
 
     x, w = torch.randn(rows, k, dtype=torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
-    weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
+    o_at = 16 * 2 * k * parts  # o's A [16, 896] and B [k, 16] after the others' pairs
+    weights, scales = torch.zeros(8, o_at + 16 * (896 + k), dtype=torch.bfloat16), torch.ones(8)
     tiles = torch.from_numpy(lora_tiles(np.arange(rows) % 8, max_tiles(rows, 8)))
     shrinks = (weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)])
+    o_update = (torch.randn(rows, 896, dtype=torch.bfloat16), o_at, o_at + 16 * 896) if update else None
     if add:
         return launched_ptx(module, "_add_rms_norm_kernel", lambda: module.add_rms_norm_shrinks(
-            x.clone(), x.clone(), w, 1e-6, shrinks, columns), PDL=True)
+            x.clone(), x.clone(), w, 1e-6, shrinks, columns, o_update), PDL=True)
     return launched_ptx(module, "_rms_norm_kernel", lambda: module.rms_norm_shrinks(x, w, 1e-6, shrinks, columns),
                         PDL=True)
 
@@ -195,13 +198,15 @@ def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, si
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-@pytest.mark.parametrize("add,rows,k,parts,columns", [(False, 1, 896, 3, False), (True, 64, 896, 2, False),
-                                                     (True, 256, 2048, 3, False), (True, 40, 896, 3, True),
-                                                     (False, 64, 896, 2, True)])
-def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts, columns):
+@pytest.mark.parametrize("add,rows,k,parts,columns,update", [
+    (False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (True, 256, 2048, 3, False, False),
+    (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
+    (True, 64, 896, 2, True, True)])
+def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts, columns, update):
     """Each program's chunk of A is read before the wait (with the rows' slots, from the tiles: both are written
-    before the step), and stays in registers across it (no local memory); the rows after it."""
-    ptx = compiled("norm_launched", add, rows, k, parts, columns)
+    before the step), and stays in registers across it (no local memory); the rows after it. update (the add after
+    o, adding o's LoRA updates): o's A too, and its B after the wait, all in registers."""
+    ptx = compiled("norm_launched", add, rows, k, parts, columns, update)
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait].count("ld.global")
     assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx

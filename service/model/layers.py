@@ -56,18 +56,21 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add(self, x, residual, fused: bool = False, shrinks: tuple | None = None):
+    def add(self, x, residual, fused: bool = False, shrinks: tuple | None = None, update: tuple | None = None):
         """The residual stream's step: residual + x (x None: the stream's first value is residual alone), and its
         norm; returns (norm, new residual, shrinks). fused: one kernel, the residual updated in place; x may then be
         a projection's partial sums (service.model.layers.fused_projection), and, given `shrinks`
         (service.model.lora.slot_shrinks) and at most kernels.lora.ROW_SHRINK_MAX_ROWS rows, the kernel also
         computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
-        tensor), in the slots' columns layout where slot_shrinks says so."""
+        tensor), in the slots' columns layout where slot_shrinks says so; and adds to x the LoRA updates of the
+        projection that produced it where `update` (service.model.lora.slot_update_in_norm) names its input."""
         if fused:
             from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm_shrinks
             from kernels.lora import ROW_SHRINK_MAX_ROWS
 
             shrinks = shrinks if residual.shape[0] <= ROW_SHRINK_MAX_ROWS else None
+            if update is not None and (shrinks is None or x is None):
+                raise ValueError("a projection's LoRA update is added by a residual add that computes shrinks")
             if shrinks is None:
                 norm = self(residual) if x is None else add_rms_norm_(x, residual, self.weight, self.eps)
                 return norm, residual, None
@@ -75,7 +78,7 @@ class RMSNorm(nn.Module):
             if x is None:
                 norm, shrunk = rms_norm_shrinks(residual, self.weight, self.eps, shrinks, columns)
                 return norm, residual, shrunk
-            return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks, columns)
+            return add_rms_norm_shrinks(x, residual, self.weight, self.eps, shrinks, columns, update)
         if x is not None:
             residual = residual + x
         return self(residual), residual, None
@@ -225,7 +228,8 @@ def fuse_linears(*linears: nn.Linear, lora_columns: int = 0) -> tuple[torch.Tens
     return wide[:, :k], bias
 
 
-def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None, feeds=()):
+def fused_projection(x, weight, bias, linears, silu: bool = False, partials: bool = False, shrunk=None, feeds=(),
+                     lora: bool = True):
     """Inference on CUDA: the projections `linears` of input x [rows, in], whose weights are the rows of the fused
     `weight` (fuse_linears), with the LoRA updates of the rows' slots; silu: linears are gate and up, and the
     result is the SwiGLU gate silu(gate) * up. partials: the result may come as float32 partial sums [splits, rows,
@@ -233,12 +237,13 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
     already computed by the norm that produced x (RMSNorm.add); where the rows take the slots' columns
     (service.model.lora.slot_columns), [x | shrinks] in their layout. feeds: with silu, the projections that read
     the result (down); where they take the slots' columns, the result is [silu(gate) * up | their shrinks] in that
-    layout, from one launch (service.model.lora.slot_columns_input)."""
+    layout, from one launch (service.model.lora.slot_columns_input). lora False: the base projections alone (o's,
+    whose updates the residual add after it adds: service.model.lora.slot_update_in_norm)."""
     from kernels.decode_linear import MAX_ROWS, decode_linear
     if x.shape[0] <= MAX_ROWS:
-        return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears), partials=partials,
-                             shrunk=shrunk)
-    columns = slot_columns(linears, x.shape[0], normed=shrunk is not None)
+        return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears) if lora else None,
+                             partials=partials, shrunk=shrunk)
+    columns = slot_columns(linears, x.shape[0], normed=shrunk is not None) if lora else None
     if columns is not None:  # one GEMM adds every row's update: [x | shrinks] times [weight | slots' B]
         wide = shrunk if shrunk is not None else slot_columns_input(x, linears)
         if wide.shape[1] != columns.shape[1]:
@@ -247,7 +252,7 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
     else:
         y = F.linear(x, weight, bias)
     parts = y.split([linear.out_features for linear in linears], dim=1)
-    if columns is None:
+    if columns is None and lora:
         add_slot_updates(x, *zip(linears, parts), shrunk=shrunk)
     if silu:
         from kernels.elementwise import silu_mul

@@ -19,7 +19,7 @@ from service.model.attention import (
 )
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
-from service.model.lora import add_slot_updates, slot_shrinks
+from service.model.lora import add_slot_updates, slot_shrinks, slot_update_in_norm
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
 
@@ -54,7 +54,8 @@ class Attention(nn.Module):
         attention kernel of a decode step (service.model.attention.rope_in_attention). Up to
         decode_linear's rows, both projections hand float32 partial sums over ranges of K to the kernel after them
         (more programs stream the weight), except where the q/k norms need whole q and k, or o's output is
-        all-reduced first."""
+        all-reduced first. o's LoRA updates are left to the residual add after it where slot_update_in_norm says so
+        (one rank: the add reads the whole attention output): returned as (o's input, A offset, B offset)."""
         rows, d = x.shape[0], self.head_dim
         qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj),
                                partials=not hasattr(self, "q_norm"), shrunk=shrunk)
@@ -68,12 +69,15 @@ class Attention(nn.Module):
         else:
             q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
             out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
-        projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1)
-        return all_reduce(projected, self.tp)
+        update = slot_update_in_norm(self.o_proj, rows) if self.tp.size == 1 else None
+        projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1,
+                                     lora=update is None)
+        return all_reduce(projected, self.tp), None if update is None else (out, *update)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0,
                 shrunk=None):
-        """shrunk: the LoRA shrinks of q, k and v, computed by the norm before (RMSNorm.add), on the fused path."""
+        """Returns (the output, o's LoRA update still to add: None, or what _forward_fused says). shrunk: the LoRA
+        shrinks of q, k and v, computed by the norm before (RMSNorm.add), on the fused path."""
         if meta is not None and fused_inference(self, "qkv_weight", x):
             return self._forward_fused(x, positions, rotary, meta, shrunk)
         shape = x.shape[:-1]
@@ -94,7 +98,7 @@ class Attention(nn.Module):
         out = out.reshape(*shape, -1)
         projected = self.o_proj(out)
         add_slot_updates(out, (self.o_proj, projected))  # before the all-reduce: this rank's share of the sum
-        return all_reduce(projected, self.tp)
+        return all_reduce(projected, self.tp), None
 
 
 class DecoderLayer(nn.Module):
@@ -114,9 +118,9 @@ class DecoderLayer(nn.Module):
         rows = residual.shape[0]
         shrinks = slot_shrinks(rows, attn.q_proj, attn.k_proj, attn.v_proj) if fused and meta is not None else None
         h, residual, shrunk = self.input_layernorm.add(x, residual, fused, shrinks)
-        out = attn(h, positions, rotary, meta, cu_seqlens, max_seqlen, shrunk=shrunk)
+        out, update = attn(h, positions, rotary, meta, cu_seqlens, max_seqlen, shrunk=shrunk)
         shrinks = slot_shrinks(rows, mlp.gate_proj, mlp.up_proj) if fused else None
-        h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks)
+        h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks, update)
         return mlp(h, shrunk=shrunk), residual
 
 
