@@ -166,9 +166,9 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
                 # where the adapters' time goes: to decode_linear's rows, past them in the columns, past the norms'
                 row["kernel_us"] = replay_kernel_us(graph, top=24)
                 if count and adapter_rows == batch:
-                    names = list(VARIANTS)[:None if batch > MAX_ROWS else 2]  # decode rows: o's switch only
+                    switched = list(VARIANTS)[:None if batch > MAX_ROWS else 2]  # decode rows: o's switch only
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, VARIANTS[name]))
-                                       for name in names}
+                                       for name in switched}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:  # against the same batch without adapters

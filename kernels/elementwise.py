@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
-from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, _update_a, _with_update, shrink_chunks_args
+from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, _update_pair, _with_update, shrink_chunks_args
 
 
 @triton.jit
@@ -107,8 +107,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
         slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
                                                NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
         live = live | (slot >= 0)
-        if UPDATE:  # x's own projection's LoRA update, added here (add_rms_norm_shrinks' `update`): its A, too
-            a_u = _update_a(LW, stride_lw, slot, U_A, K_U, RANK, BLOCK_U)
+        if UPDATE:  # x's own projection's LoRA update, added here (add_rms_norm_shrinks' `update`): its A and B
+            a_u, b_u = _update_pair(LW, stride_lw, slot, U_A, U_B, K_U, cols, n_cols, RANK, BLOCK_U)
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -117,8 +117,7 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_spl
         dtype = res_ptr.dtype.element_ty
         x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
         if UPDATE:
-            x = _with_update(x, a_u, XU, row, stride_xu, K_U, LW, stride_lw, slot, scale, U_B, cols, n_cols, RANK,
-                             BLOCK_U)
+            x = _with_update(x, a_u, b_u, XU, row, stride_xu, K_U, slot, scale, BLOCK_U)
         res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
         # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
         total = (res + x).to(dtype)

@@ -217,29 +217,31 @@ def _shrink_chunk(W, stride_w, SCALES, TILES, row, chunk, cols, K, A0, A1, A2, N
 
 
 @triton.jit
-def _update_a(W, stride_w, slot, A_AT, K, RANK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """For a kernel that reads a projection's output and adds the LoRA update of it itself (kernels.elementwise's
-    residual add after o): the A [RANK, K] of that projection in the row's slot, zeros without a slot, to read
-    before the wait."""
+def _update_pair(W, stride_w, slot, A_AT, B_AT, K, cols, n_cols, RANK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """For a kernel that reads a row of a projection's output (at columns cols of n_cols) and adds the LoRA update
+    of it itself (kernels.elementwise's residual add after o): that projection's A [RANK, K] and B [n_cols, RANK] in
+    the row's slot, zeros without a slot, to read before the wait (the B of a row of 896 is 28 KB: read after the
+    wait, it was a round trip to memory more in the step's path)."""
+    w = W + tl.maximum(slot, 0).to(tl.int64) * stride_w
+    r = tl.arange(0, RANK)
     k = tl.arange(0, BLOCK_K)
-    w = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + tl.multiple_of(A_AT, 16)
-    return tl.load(w + tl.arange(0, RANK)[:, None] * K + k[None, :], mask=k[None, :] < tl.where(slot >= 0, K, 0),
-                   other=0.0)
+    a = tl.load(w + tl.multiple_of(A_AT, 16) + r[:, None] * K + k[None, :],
+                mask=k[None, :] < tl.where(slot >= 0, K, 0), other=0.0)
+    b = tl.load(w + tl.multiple_of(B_AT, 16) + cols[:, None] * RANK + r[None, :],
+                mask=cols[:, None] < tl.where(slot >= 0, n_cols, 0), other=0.0)
+    return a, b
 
 
 @triton.jit
-def _with_update(y, a, X, row, stride_x, K, W, stride_w, slot, scale, B_AT, cols, n_cols, RANK: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
-    """y, a row of a projection's output (float32, rounded as the layer rounds it, at columns cols of n_cols), plus
-    the update of the row's slot: scale * (x A^T) B^T for the row of the projection's input X [rows, K] and the A
-    _update_a read, the intermediate and the sum rounded to X's dtype as lora_add_ref rounds them. A row of no slot
-    reads nothing and keeps y."""
+def _with_update(y, a, b, X, row, stride_x, K, slot, scale, BLOCK_K: tl.constexpr):
+    """y, a row of a projection's output (float32, rounded as the layer rounds it), plus the update of the row's
+    slot: scale * (x A^T) B^T for the row of the projection's input X [rows, K] and the A and B _update_pair read,
+    the intermediate and the sum rounded to X's dtype as lora_add_ref rounds them. A row of no slot reads nothing
+    and keeps y."""
     dtype = X.dtype.element_ty
     k = tl.arange(0, BLOCK_K)
     x = tl.load(X + row * stride_x + k, mask=k < tl.where(slot >= 0, K, 0), other=0.0).to(tl.float32)
     t = (tl.sum(a.to(tl.float32) * x[None, :], 1) * scale).to(dtype).to(tl.float32)
-    b_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + tl.multiple_of(B_AT, 16) + cols[:, None] * RANK
-    b = tl.load(b_rows + tl.arange(0, RANK)[None, :], mask=cols[:, None] < tl.where(slot >= 0, n_cols, 0), other=0.0)
     return (y + tl.sum(b.to(tl.float32) * t[None, :], 1)).to(dtype).to(tl.float32)
 
 
