@@ -14,9 +14,11 @@ base model: the steps of the served 5% phase), two numbers per cell:
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
   the adapters loaded into their slots beforehand;
 and kernel_us: the GPU microseconds per replay of that graph's 24 costliest kernels (benchmarks/timing.py).
-With adapters on every row also `variants`: the graph_ms of the same graph captured again, as shipped and
-with kernels/lora.py's switches set otherwise (VARIANTS): o's updates from its own launches (a shrink, then the
-slots' columns in its GEMM, or decode_linear's expands up to 16 rows) rather than in the residual add after it;
+With adapters also `variants`: the graph_ms of the same graph captured again, as shipped and with
+kernels/lora.py's switches set otherwise (VARIANTS): o's updates from its own launches (a shrink, then
+decode_linear's expands up to 16 rows) rather than in the residual add after it; o's updates in that add up to 64
+rows (rather than the slots' columns in o's GEMM), also with the norms' shrink programs of 16 ranks (half the
+programs a row, each reading o's A and B);
 every update added after the GEMMs by kernels.lora.lora_add_, as steps of 17-64 rows ran before the slots' columns;
 the columns for q/k/v and gate-up only (o and down after their GEMMs); the columns up to 256 rows (past 64, each
 group's shrinks from a lora_shrink launch); and the norms' shrink programs holding 16 ranks each instead of 8 (fewer
@@ -66,7 +68,9 @@ SERVED_ADAPTERS, SERVED_SHARES = 8, (0.0, 0.05, 0.5)
 SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup": 3.0, "seconds": 12.0, "drain": 10.0},
           "cpu": {"streams": 4, "prompt_len": 16, "new_tokens": 16, "warmup": 1.0, "seconds": 3.0, "drain": 20.0}}
 # Graphs captured again with kernels/lora.py's switches set otherwise (see the doc); decode rows take the first two.
-VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM": False},
+VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM_MAX_ROWS": 0},
+            "o_in_add_to_64_rows": {"UPDATE_IN_NORM_MAX_ROWS": 64},
+            "o_in_add_to_64_rows_16_ranks": {"UPDATE_IN_NORM_MAX_ROWS": 64, "SHRINK_CHUNK_ELEMENTS": 16384},
             "updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False},
             "columns_to_256_rows": {"COLUMNS_MAX_ROWS": 256}, "norm_shrinks_16_ranks": {"SHRINK_CHUNK_ELEMENTS": 16384}}
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
@@ -165,7 +169,7 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
                 row["graph_ms"] = replay_ms(graph)
                 # where the adapters' time goes: to decode_linear's rows, past them in the columns, past the norms'
                 row["kernel_us"] = replay_kernel_us(graph, top=24)
-                if count and adapter_rows == batch:
+                if count:
                     switched = list(VARIANTS)[:None if batch > MAX_ROWS else 2]  # decode rows: o's switch only
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, VARIANTS[name]))
                                        for name in switched}

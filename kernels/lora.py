@@ -52,11 +52,13 @@ COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
 COLUMNS_SHRINK_LAUNCH = True
-# Up to ROW_SHRINK_MAX_ROWS rows (tensor parallelism off), o's LoRA updates are added by the residual add that reads
-# o's output (kernels.elementwise.add_rms_norm_shrinks' `update`: its programs of a row with a slot read the
-# attention's output row, o's A and B), not by a shrink launch and o's GEMM over the slots' columns (or decode_linear
-# with its expands, up to its rows). benchmarks/lora.py times it both ways (variants).
-UPDATE_IN_NORM = True
+# Up to this many rows (at most ROW_SHRINK_MAX_ROWS; tensor parallelism off), o's LoRA updates are added by the
+# residual add that reads o's output (kernels.elementwise.add_rms_norm_shrinks' `update`: its programs of a row with
+# a slot read the attention's output row and o's A and B), not by a shrink launch and decode_linear's expands (or,
+# past its rows, o's GEMM over the slots' columns). H200, 528261f, Qwen2.5-0.5B shape, LoRA graphs of 8 adapters
+# over all rows captured both ways: batch 1 0.802 ms against 0.824 with o's own launches; batch 64 1.327 against
+# 1.310 (each row's four programs of the add read o's A and B again: 57 KB each). benchmarks/lora.py times 0 and 64.
+UPDATE_IN_NORM_MAX_ROWS = 16
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v); benchmarks/lora.py times 16384 beside it (variants), as the norms cost 3.5 us a launch in the LoRA graph

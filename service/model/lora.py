@@ -424,12 +424,12 @@ def slot_shrinks(rows: int, *linears: nn.Linear) -> tuple | None:
 def slot_update_in_norm(linear: nn.Linear, rows: int) -> tuple[int, int] | None:
     """Where the residual add that reads the output of `linear` (o) adds its LoRA updates itself
     (kernels.elementwise.add_rms_norm_shrinks' `update`: no shrink launch, no slots' columns in o's GEMM): serving
-    from slots, kernels.lora.UPDATE_IN_NORM on, up to kernels.lora.ROW_SHRINK_MAX_ROWS rows (where that norm computes
-    the next projections' shrinks); then the projection's (A offset, B offset) in the slots, else None."""
+    from slots, up to kernels.lora.UPDATE_IN_NORM_MAX_ROWS rows (no more than ROW_SHRINK_MAX_ROWS: the norm computes
+    the next projections' shrinks there); then the projection's (A offset, B offset) in the slots, else None."""
     from kernels import lora
 
     slots = getattr(_local, "slots", None)
-    if slots is None or not lora.UPDATE_IN_NORM or rows > lora.ROW_SHRINK_MAX_ROWS:
+    if slots is None or rows > min(lora.UPDATE_IN_NORM_MAX_ROWS, lora.ROW_SHRINK_MAX_ROWS):
         return None
     a_at, b_at, _, _ = slots.layout[linear._lora_name]
     return a_at, b_at
