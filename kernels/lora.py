@@ -19,7 +19,8 @@ that doubled a LoRA step's cost over the projections'.) Decode steps of up to ke
 take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row tile for one row) and add the
 expand inside their projection's kernel. Up to ROW_SHRINK_MAX_ROWS rows the shrinks of the projections that read an
 RMSNorm's output come from that norm's kernel instead (_shrink_chunk, kernels/elementwise.py): lora_add_ takes them
-as `shrunk` and only expands.
+as `shrunk` and only expands. Up to UPDATE_IN_NORM_MAX_ROWS rows o's whole update comes from the residual add that
+reads o's output (_update_pair, _with_update): no launch of o's own for it.
 
 Columns: past kernels.decode_linear.MAX_ROWS and up to COLUMNS_MAX_ROWS rows no expand runs at all. Each
 projection group's weight carries every slot's B as extra columns (service/model/lora.py lays them out: projection
@@ -45,9 +46,11 @@ BLOCK_M = 16  # rows per tile: tl.dot's smallest
 ROW_SHRINK_MAX_ROWS = 64
 # Past kernels.decode_linear.MAX_ROWS rows and up to this many, the GEMM of a projection group adds its rows' LoRA
 # updates, in the columns layout (module doc); 0 turns that off. Past ROW_SHRINK_MAX_ROWS no norm computes shrinks
-# and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), which reads each row's A alone: benchmarks/
-# lora.py times 256 rows both ways (variants) before the bound goes past the norms'.
-COLUMNS_MAX_ROWS = ROW_SHRINK_MAX_ROWS
+# and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), which reads each row's A alone. At 256 rows
+# that beat lora_add_'s launches after the GEMMs in every run since c28a8ee (benchmarks/lora.py's variants; H200,
+# a9b45da, the LoRA graph of 256 rows: 8 adapters on all rows 1.974 ms against 2.037, on 13 rows 1.819 against
+# 1.993; 1 adapter 1.953 against 1.986).
+COLUMNS_MAX_ROWS = 256
 # Whether groups whose input comes with no shrinks (o and down; any past ROW_SHRINK_MAX_ROWS) take the columns too,
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
@@ -395,7 +398,7 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
     # More rows share the launch better with K in blocks and several ranks a program. Up to 64 rows: blocks of 2048,
     # eight ranks, 8 warps (H200, bf16, 8 slots, rank 16, columns layout, 64 rows of which 3 or all on adapters:
     # down's SwiGLU and shrinks 3.1 / 3.6 us, against 3.7 / 4.0 with blocks of 1024 and four ranks at 4 warps, and 11
-    # with all of K a block; o's 1.3 / 1.4 either way). Past 64 (benchmarks/lora.py's columns_to_256_rows variant)
+    # with all of K a block; o's 1.3 / 1.4 either way). Past 64 (the columns up to 256 rows)
     # blocks of 1024 and 4096 values of A a program (four ranks from K 1024) at 4 warps, which read 7.3 us against
     # 17.1 with all of K a block at 256 rows; its graph of 256 rows took 5% longer with the 64-row blocks (13699ca)
     # where it had been 2-3% faster than the shipped one.
