@@ -18,7 +18,7 @@ With adapters also `variants`: the graph_ms of the same graph captured again, as
 kernels/lora.py's switches set otherwise (VARIANTS): o's updates from its own launches (a shrink, then
 decode_linear's expands up to 16 rows) rather than in the residual add after it; o's updates in that add up to 64
 rows (rather than the slots' columns in o's GEMM), also with the norms' shrink programs of 16 ranks (half the
-programs a row, each reading o's A and B);
+programs a row, each reading o's A and B); o's shrinks from the attention's merge up to 64 rows (SHRINKS_IN_MERGE);
 every update added after the GEMMs by kernels.lora.lora_add_, as steps of 17-64 rows ran before the slots' columns;
 the columns for q/k/v and gate-up only (o and down after their GEMMs); the columns up to 64 rows only (past them,
 updates after the GEMMs, as shipped until a9b45da; the columns past 64 take each group's shrinks from a lora_shrink
@@ -72,6 +72,7 @@ SERVED = {"cuda": {"streams": 64, "prompt_len": 128, "new_tokens": 256, "warmup"
 VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM_MAX_ROWS": 0},
             "o_in_add_to_64_rows": {"UPDATE_IN_NORM_MAX_ROWS": 64},
             "o_in_add_to_64_rows_16_ranks": {"UPDATE_IN_NORM_MAX_ROWS": 64, "SHRINK_CHUNK_ELEMENTS": 16384},
+            "o_shrinks_in_merge": {"SHRINKS_IN_MERGE": True},
             "updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False},
             "columns_to_64_rows": {"COLUMNS_MAX_ROWS": 64}, "norm_shrinks_16_ranks": {"SHRINK_CHUNK_ELEMENTS": 16384}}
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum

@@ -34,7 +34,8 @@ from kernels.configs import (
     gdc_wait,
     pdl_launch,
 )
-from kernels.elementwise import _summed
+from kernels.elementwise import _summed, _zero_columns
+from kernels.lora import _shrink_chunk, _shrink_store, shrink_chunks_args
 
 LOG2E = 1.4426950408889634
 
@@ -214,6 +215,44 @@ def _decode_merge_kernel(PartialOut, PartialLse, Out, CacheSeqlens, QRows, nhead
              mask=d < HEAD_DIM)
 
 
+@triton.jit
+def _decode_merge_shrinks_kernel(PartialOut, PartialLse, Out, stride_ob, nheads, LW, stride_lw, SCALES, TILES, T,
+                                 stride_t, A0, A1, A2, NUM_SPLITS: tl.constexpr, SPLITS_PADDED: tl.constexpr,
+                                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, NUM_TILES: tl.constexpr,
+                                 TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr,
+                                 RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                                 SLOTS_PADDED: tl.constexpr, PDL: tl.constexpr):
+    """The merge of one new token per sequence (seqlen_q 1) that also computes the LoRA shrinks of the projection
+    reading the output (o's), as kernels.elementwise's norms do for theirs: program (b, chunk) merges all heads of
+    sequence b's row (nheads * HEAD_DIM values, one vector), chunk 0 stores it, and each computes one chunk of the
+    row's shrinks (kernels.lora._shrink_chunk, A read before the wait); chunks of a row of no slot write zeros."""
+    b, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    c = tl.arange(0, BLOCK)
+    width = nheads * HEAD_DIM
+    slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, b, chunk, c, width, A0, A1, A2, NUM_TILES,
+                                           TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    if (chunk == 0) | (slot >= 0):
+        sp = tl.arange(0, SPLITS_PADDED)
+        ok = c < width
+        # [splits, the row's values]: partials [batch, nheads, 1, splits, (HEAD_DIM)], contiguous along the row
+        at = (b * nheads + c // HEAD_DIM)[None, :] * NUM_SPLITS + sp[:, None]
+        mask = ok[None, :] & (sp[:, None] < NUM_SPLITS)
+        lse = tl.load(PartialLse + at, mask=mask, other=float("-inf"))
+        parts = tl.load(PartialOut + at * HEAD_DIM + (c % HEAD_DIM)[None, :], mask=mask, other=0.0)
+        m = tl.max(lse, 0)
+        w = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])
+        total = tl.sum(w, 0)
+        y = (tl.sum(parts * w, 0) / tl.where(total > 0.0, total, 1.0)).to(Out.dtype.element_ty)
+        if chunk == 0:
+            tl.store(Out + b * stride_ob + c, y, mask=ok)
+        _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, b, stride_t, RANK, SLOTS, SLOTS_PADDED)
+    elif SLOTS > 0:
+        _zero_columns(T, b, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
+
+
 _SM_COUNT = {}
 HOST_BLIND_MAX_SPLITS = 16  # the cap when the host does not know the context length (see choose_num_splits)
 
@@ -312,6 +351,24 @@ def decode_attention_rope(q, k, v, positions, cos_sin, slot_mapping, k_cache, v_
     return out.squeeze(1)
 
 
+def decode_attention_shrinks(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, num_splits,
+                             shrinks) -> torch.Tensor:
+    """flash_attn_with_kvcache of one new token per sequence, q [batch, heads, d], whose merge also computes the LoRA
+    shrinks of the projection that reads the output (o's; shrinks: (slot weights, scales, tiles, rank, [A offset]),
+    as kernels.elementwise.rms_norm_shrinks takes them), in kernels.lora's columns layout: returns t [batch, heads *
+    d + slots * rank], the output in its first heads * d columns (o's shrink launch saved). num_splits > 1: the
+    splits' merge is a launch of its own (not kernels.configs.DECODE_MERGE_IN_SPLIT)."""
+    batch, heads, head_dim = q.shape
+    if num_splits < 2:
+        raise ValueError(f"the shrinks come from the splits' merge: num_splits must be > 1, got {num_splits}")
+    out, t, chunks, lora = shrink_chunks_args(q.reshape(batch, heads * head_dim), shrinks, columns=True)
+    del lora["SHRINKS"]
+    if batch:
+        _launch(q.unsqueeze(1), k_cache, v_cache, cache_seqlens, block_table, out.unflatten(1, (1, heads, head_dim)),
+                None, softmax_scale, True, num_splits, merge_shrinks=(chunks, lora))
+    return t
+
+
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 
 
@@ -325,9 +382,10 @@ def _split_counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softmax_scale, causal, num_splits,
-            rope=None):
+            rope=None, merge_shrinks=None):
     """q and out [rows, seqlen_q, nheads, head_dim]: row b of sequence b, or row q_rows[b] when given. rope: (k, v,
-    positions, cos_sin, slot_mapping, split stride, splits) of decode_attention_rope, q then holding partial sums."""
+    positions, cos_sin, slot_mapping, split stride, splits) of decode_attention_rope, q then holding partial sums.
+    merge_shrinks: (chunks per row, arguments) of decode_attention_shrinks' merge."""
     batch, seqlen_q, nheads, head_dim = cache_seqlens.shape[0], q.shape[1], q.shape[2], q.shape[3]
     block_size, nheads_k = k_cache.shape[1], k_cache.shape[2]
     group = nheads // nheads_k
@@ -346,7 +404,7 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
         partial_out = partial_lse = out  # unused
     varlen = q_rows is not None
     q_rows = q_rows if varlen else cache_seqlens  # never read unless varlen
-    merge_in_split = configs.DECODE_MERGE_IN_SPLIT and num_splits > 1
+    merge_in_split = configs.DECODE_MERGE_IN_SPLIT and num_splits > 1 and merge_shrinks is None
     counters = _split_counters(q.device, batch * nheads_k) if merge_in_split else cache_seqlens
     k_new, v_new, positions, cos_sin, slots, stride_split, rope_splits = rope or (q, q, q_rows, q, q_rows, 0, 0)
     _decode_split_kernel[(batch, nheads_k, num_splits)](
@@ -365,7 +423,13 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
         SPLITS_PADDED=triton.next_power_of_2(num_splits), num_warps=DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES, **pdl_launch(q.device),
     )
-    if num_splits > 1 and not merge_in_split:
+    if merge_shrinks is not None:
+        chunks, lora = merge_shrinks
+        _decode_merge_shrinks_kernel[(batch, chunks)](
+            partial_out, partial_lse, out, out.stride(0), nheads, **lora, NUM_SPLITS=num_splits,
+            SPLITS_PADDED=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+            BLOCK=triton.next_power_of_2(nheads * head_dim), num_warps=4, **pdl_launch(q.device))
+    elif num_splits > 1 and not merge_in_split:
         _decode_merge_kernel[(batch * nheads * seqlen_q,)](
             partial_out, partial_lse, out, cache_seqlens, q_rows, nheads,
             out.stride(0), out.stride(1), out.stride(2),

@@ -20,7 +20,8 @@ take lora_shrink (a program per row and a few ranks, with CUDA cores: no 16-row 
 expand inside their projection's kernel. Up to ROW_SHRINK_MAX_ROWS rows the shrinks of the projections that read an
 RMSNorm's output come from that norm's kernel instead (_shrink_chunk, kernels/elementwise.py): lora_add_ takes them
 as `shrunk` and only expands. Up to UPDATE_IN_NORM_MAX_ROWS rows o's whole update comes from the residual add that
-reads o's output (_update_pair, _with_update): no launch of o's own for it.
+reads o's output (_update_pair, _with_update): no launch of o's own for it. With SHRINKS_IN_MERGE, a decode step of
+17-64 rows takes o's shrinks from the attention's merge of its splits (kernels.decode.decode_attention_shrinks).
 
 Columns: past kernels.decode_linear.MAX_ROWS and up to COLUMNS_MAX_ROWS rows no expand runs at all. Each
 projection group's weight carries every slot's B as extra columns (service/model/lora.py lays them out: projection
@@ -62,6 +63,11 @@ COLUMNS_SHRINK_LAUNCH = True
 # over all rows captured both ways: batch 1 0.802 ms against 0.824 with o's own launches; batch 64 1.327 against
 # 1.310 (each row's four programs of the add read o's A and B again: 57 KB each). benchmarks/lora.py times 0 and 64.
 UPDATE_IN_NORM_MAX_ROWS = 16
+# Past UPDATE_IN_NORM_MAX_ROWS and up to ROW_SHRINK_MAX_ROWS rows, whether a decode step's o shrinks come from the
+# attention's merge of its splits (kernels.decode.decode_attention_shrinks: the merge writes [output | shrinks] in the
+# columns layout, as the norms do for q/k/v and gate-up) rather than from a lora_shrink launch after it. Off until a
+# GPU run times it: benchmarks/lora.py's variants capture it both ways.
+SHRINKS_IN_MERGE = False
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v); benchmarks/lora.py times 16384 beside it (variants), as the norms cost 3.5 us a launch in the LoRA graph

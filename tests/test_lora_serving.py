@@ -212,6 +212,34 @@ def test_the_residual_add_adds_the_lora_update_of_the_projection_it_reads(device
         assert rel_err(got[1], base[1]) > 10 * tol  # the update is there
 
 
+@pytest.mark.parametrize("seqlens,heads,heads_k,head_dim,splits,slots", [
+    ([1, 37, 300], 4, 2, 16, 3, 2), ([50, 0, 7, 129, 64] * 4, 6, 2, 16, 2, 8), ([260, 33], 4, 4, 24, 5, 1)])
+def test_the_decode_merge_computes_os_shrinks_beside_the_output(device, seqlens, heads, heads_k, head_dim, splits,
+                                                                 slots):
+    """kernels.decode.decode_attention_shrinks: the attention's output as flash_attn_with_kvcache gives it, in the
+    first heads * d columns, and beside it o's shrinks in the columns layout (as lora_shrink writes them from that
+    output: each adapter row's in its slot's columns, zeros elsewhere and in every column of a row of no slot),
+    for sequences of no keys too and a head_dim * heads that is not a power of two."""
+    from kernels.decode import decode_attention_shrinks, flash_attn_with_kvcache
+    from tests.test_decode import make_paged
+
+    r, batch = 16, len(seqlens)
+    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
+        gen = torch.Generator().manual_seed(batch + splits)
+        q, k_cache, v_cache, lens, table = make_paged(batch, seqlens, 16, heads, heads_k, head_dim, 1, dtype, device)
+        weights, scales, parts = random_slots((96,), heads * head_dim, slots, r, device, dtype, gen)
+        row_slots = np.where(np.arange(batch) % 3 == 1, -1, np.arange(batch) % slots).astype(np.int32)
+        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(batch, slots))).to(device)
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, num_splits=splits).view(batch, -1)
+        t = decode_attention_shrinks(q.squeeze(1), k_cache, v_cache, lens, table, None, splits,
+                                     (weights, scales, tiles, r, [parts[0][1]]))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert t.shape == (batch, heads * head_dim + slots * r)
+        torch.testing.assert_close(t[:, :heads * head_dim].float(), out.float(), atol=tol, rtol=tol)
+        assert_columns(t, t[:, :heads * head_dim], weights, scales, parts, row_slots, r, tol)
+        assert t[:, heads * head_dim:].abs().sum() > 0  # some row has shrinks
+
+
 @pytest.mark.parametrize("rows,k,widths,slots,silu", [(23, 200, (96,), 4, False), (40, 300, (64, 32, 32), 8, False),
                                                       (17, 96, (48,), 1, False), (20, 1100, (32,), 2, False),
                                                       (23, 200, (96,), 4, True), (20, 2100, (32,), 2, True),
@@ -412,12 +440,21 @@ def test_a_dense_adapter_is_served_eagerly_beside_slotted_ones(model_dir):
 
 # -- the GPU: slots inside the CUDA graphs ---------------------------------------------------------------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("count,max_loras", [(1, 8), (8, 8), (5, 2)])
-def test_adapters_in_cuda_graphs_match_the_eager_reference(tmp_path, count, max_loras):
+@pytest.mark.parametrize("count,max_loras,merge", [(1, 8, False), (8, 8, False), (5, 2, False), (8, 8, True)])
+def test_adapters_in_cuda_graphs_match_the_eager_reference(tmp_path, count, max_loras, merge, monkeypatch):
     """bf16: the logits of every sampled row, through the CUDA graphs with adapters in slots, against the eager
     forward with the adapters' hooks, in decode steps, prefill steps and mixed ones (requests arriving while others
     decode), for every position whose history both runs share (a near-tie that bf16 flips ends a sequence's
-    comparison)."""
+    comparison). merge: o's shrinks from the attention's merge in decode steps of 17-64 rows
+    (kernels.lora.SHRINKS_IN_MERGE; 18 requests decode at once here)."""
+    import kernels.decode
+    import kernels.lora
+
+    monkeypatch.setattr(kernels.lora, "SHRINKS_IN_MERGE", merge)
+    merges = []  # the graphs of 17-64 rows capture the merge with shrinks
+    shrinking = kernels.decode.decode_attention_shrinks
+    monkeypatch.setattr(kernels.decode, "decode_attention_shrinks",
+                        lambda *args: merges.append(args[0].shape[0]) or shrinking(*args))
     path = make_tiny_model("qwen2", tmp_path, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     graphs = LLM(str(path), device="cuda", dtype="bfloat16", max_loras=max_loras, num_kv_blocks=256)
     eager = LLM(str(path), device="cuda", dtype="bfloat16", max_loras=0, cuda_graphs=False, num_kv_blocks=256)
@@ -457,6 +494,7 @@ def test_adapters_in_cuda_graphs_match_the_eager_reference(tmp_path, count, max_
         return tokens, logits
 
     (got, got_logits), (want, want_logits) = run(graphs), run(eager)
+    assert bool(merges) == merge and all(16 < rows <= 64 for rows in merges)
     compared = 0
     for rid, tokens in want.items():
         start = len(prompts[int(rid[1]) * 6 + int(rid[3])])

@@ -170,6 +170,25 @@ def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = Fals
                         PDL=True)
 
 
+def merge_shrinks_launched(rows: int) -> str:
+    """kernels.decode.decode_attention_shrinks' merge of `rows` bf16 rows of 14 heads of 64 (o's input in the
+    Qwen2.5-0.5B shape) in 3 splits, with o's shrinks of rank 16 over 8 slots."""
+    import numpy as np
+    import torch
+
+    import kernels.decode as module
+    from kernels.lora import lora_tiles, max_tiles
+
+    q = torch.randn(rows, 14, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)
+    lens, table = torch.full((rows,), 20, dtype=torch.int32), torch.zeros(rows, 4, dtype=torch.int32)
+    weights, scales = torch.zeros(8, 16 * 2 * 896, dtype=torch.bfloat16), torch.ones(8)
+    tiles = torch.from_numpy(lora_tiles(np.arange(rows) % 8, max_tiles(rows, 8)))
+    module._decode_split_kernel = Capture({})  # runs in a process of its own (compiled)
+    return launched_ptx(module, "_decode_merge_shrinks_kernel", lambda: module.decode_attention_shrinks(
+        q, cache, cache, lens, table, None, 3, (weights, scales, tiles, 16, [0])), PDL=True)
+
+
 def compiled(case: str, *args) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, __file__, case, json.dumps(args)], env=env, capture_output=True, text=True,
@@ -212,6 +231,14 @@ def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows,
     assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
 
 
+@pytest.mark.parametrize("rows", [17, 64])
+def test_the_decode_merge_with_shrinks_reads_the_slots_before_the_wait(rows):
+    """As the norms: each program's chunk of o's A before the wait, the partials after it, no local memory."""
+    ptx = compiled("merge_shrinks_launched", rows)
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count("ld.global") >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
+
+
 @pytest.mark.parametrize("rope", [False, True])
 def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     ptx = compiled("decode_split", rope, True)
@@ -234,5 +261,6 @@ def test_lora_kernels_read_their_input_after_the_wait(kernel):
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
     cases = {"decode_linear_launched": decode_linear_launched, "shrink_launched": shrink_launched,
-             "decode_split": decode_split_ptx, "lora": lora_ptx, "norm_launched": norm_launched}
+             "decode_split": decode_split_ptx, "lora": lora_ptx, "norm_launched": norm_launched,
+             "merge_shrinks_launched": merge_shrinks_launched}
     print(cases[sys.argv[1]](*json.loads(sys.argv[2])))

@@ -71,6 +71,22 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     return varlen_attention_ref(q, torch.cat(keys), torch.cat(values), cu_q, cu_k, scale, causal=True)[0]
 
 
+def paged_attention_shrinks(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, shrinks: tuple | None):
+    """paged_attention of new tokens whose k/v are in the cache, as rows [tokens, heads * d], and the LoRA shrinks
+    `shrinks` of the projection that reads them (o's, service.model.lora.slot_merge_shrinks) where the decode
+    kernel's merge of its splits computes them (a decode step in splits, the merge a launch of its own): then
+    [output | shrinks] in kernels.lora's columns layout as well (kernels.decode.decode_attention_shrinks), else
+    None."""
+    from kernels import configs
+    if (shrinks is not None and meta.decode and use_triton(q.device) and meta.num_splits > 1
+            and not configs.DECODE_MERGE_IN_SPLIT):
+        from kernels.decode import decode_attention_shrinks
+        t = decode_attention_shrinks(q, k_cache, v_cache, meta.seqlens_k, meta.block_table, scale, meta.num_splits,
+                                     shrinks)
+        return t[:, :q.shape[1] * q.shape[2]], t
+    return paged_attention(q, None, None, k_cache, v_cache, meta, scale).reshape(q.shape[0], -1), None
+
+
 def rope_in_attention(q, meta: AttentionMetadata, head_dim: int) -> bool:
     """Whether a decode step's attention kernel also rotates q and k and writes the new K/V into the cache, saving
     the RoPE kernel's launch (kernels.configs.DECODE_ROPE_IN_ATTENTION, off by default)."""

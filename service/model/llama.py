@@ -14,12 +14,13 @@ from service.model.attention import (
     decode_attention_rope,
     dense_attention,
     paged_attention,
+    paged_attention_shrinks,
     rope_in_attention,
     varlen_attention,
 )
 from service.model.config import ModelConfig
 from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
-from service.model.lora import add_slot_updates, slot_shrinks, slot_update_in_norm
+from service.model.lora import add_slot_updates, slot_merge_shrinks, slot_shrinks, slot_update_in_norm
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
 
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         decode_linear's rows, both projections hand float32 partial sums over ranges of K to the kernel after them
         (more programs stream the weight), except where the q/k norms need whole q and k, or o's output is
         all-reduced first. o's LoRA updates are left to the residual add after it where slot_update_in_norm says so
-        (one rank: the add reads the whole attention output): returned as (o's input, A offset, B offset)."""
+        (one rank: the add reads the whole attention output): returned as (o's input, A offset, B offset); o's
+        shrinks come from the attention's merge where slot_merge_shrinks says so."""
         rows, d = x.shape[0], self.head_dim
         qkv = fused_projection(x, self.qkv_weight, self.qkv_bias, (self.q_proj, self.k_proj, self.v_proj),
                                partials=not hasattr(self, "q_norm"), shrunk=shrunk)
@@ -63,15 +65,17 @@ class Attention(nn.Module):
                                                                 self.num_kv_heads * d], dim=-1))
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
+        update = slot_update_in_norm(self.o_proj, rows) if self.tp.size == 1 else None
+        o_shrunk = None  # o's [input | shrinks] from the attention's merge (slot_merge_shrinks)
         if rope_in_attention(q, meta, d):
             out = decode_attention_rope(q, k, v, positions, rotary.cos_sin, self.k_cache, self.v_cache, meta,
                                         self.scale).reshape(rows, -1)
         else:
             q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
-            out = paged_attention(q, None, None, self.k_cache, self.v_cache, meta, self.scale).reshape(rows, -1)
-        update = slot_update_in_norm(self.o_proj, rows) if self.tp.size == 1 else None
+            out, o_shrunk = paged_attention_shrinks(q, self.k_cache, self.v_cache, meta, self.scale,
+                                                    None if update else slot_merge_shrinks(self.o_proj, rows))
         projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1,
-                                     lora=update is None)
+                                     shrunk=o_shrunk, lora=update is None)
         return all_reduce(projected, self.tp), None if update is None else (out, *update)
 
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0,

@@ -435,6 +435,18 @@ def slot_update_in_norm(linear: nn.Linear, rows: int) -> tuple[int, int] | None:
     return a_at, b_at
 
 
+def slot_merge_shrinks(linear: nn.Linear, rows: int) -> tuple | None:
+    """kernels.decode.decode_attention_shrinks' `shrinks` for `linear` (o, which reads the attention's output) where a
+    decode step's merge computes them (kernels.lora.SHRINKS_IN_MERGE): o in the slots' columns (slot_columns) and up
+    to kernels.lora.ROW_SHRINK_MAX_ROWS rows; else None."""
+    from kernels import lora
+
+    if not lora.SHRINKS_IN_MERGE or rows > lora.ROW_SHRINK_MAX_ROWS or slot_columns((linear,), rows, True) is None:
+        return None
+    weights, scales, tiles, rank, parts = slot_lora((linear,))
+    return weights, scales, tiles, rank, [parts[0][1]]
+
+
 def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
     """The fused weight of these projections with the slots' B beside it (kernels.lora's columns layout), where a
     step of `rows` token rows adds the slots' updates in its GEMM: serving from slots, past
