@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -196,17 +197,60 @@ def merge_shrinks_launched(rows: int) -> str:
         q, cache, cache, lens, table, None, 3, (weights, scales, tiles, 16, [0])), PDL=True)
 
 
+# The cases the tests below compile, all in two child processes (one each started in the test, it spent two of the
+# three seconds of a case starting)
+DECODE_LINEAR = [(1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1),
+                 (16, True, False, 8), (64, True, False, 8), (64, False, True, 8)]
+DECODE_LINEAR_NORM = [(1, False, True, 4), (1, True, False, 4), (16, False, True, 0), (8, True, False, 1)]
+SHRINKS = [(1, 896, 3, False, False), (16, 4864, 1, False, False), (40, 896, 1, True, False),
+           (64, 4864, 1, True, False), (64, 4864, 1, True, True), (256, 4864, 1, True, True)]
+NORMS = [(False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (True, 256, 2048, 3, False, False),
+         (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
+         (True, 64, 896, 2, True, True)]
+MERGE_SHRINKS = [17, 64]
+LORA_KERNELS = ["_tile_shrink_kernel", "_expand_kernel"]
+
+
+def planned() -> list[tuple[str, list]]:
+    return ([("decode_linear_launched", [*case]) for case in DECODE_LINEAR]
+            + [("decode_linear_launched", [rows, silu, partials, 0, norm])
+               for rows, silu, partials, norm in DECODE_LINEAR_NORM]
+            + [("shrink_launched", [*case]) for case in SHRINKS] + [("norm_launched", [*case]) for case in NORMS]
+            + [("merge_shrinks_launched", [rows]) for rows in MERGE_SHRINKS]
+            + [("decode_split", [rope, merge]) for rope in (False, True) for merge in (False, True)]
+            + [("lora", [kernel]) for kernel in LORA_KERNELS])
+
+
+_PTX: dict[str, str] = {}
+
+
 def compiled(case: str, *args) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__, case, json.dumps(args)], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    """The PTX of a planned case (the first call compiles them all, in two processes without the interpreter)."""
+    if not _PTX:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        todo = planned()
+        with tempfile.TemporaryDirectory() as tmp:
+            children = []
+            for half in range(2):
+                path = os.path.join(tmp, f"{half}.json")
+                with open(path, "w") as f:
+                    json.dump(todo[half::2], f)
+                children.append(subprocess.Popen([sys.executable, __file__, path], env=env, cwd=root,
+                                                 stderr=subprocess.PIPE, text=True))
+            for child in children:
+                _, err = child.communicate(timeout=900)
+                assert child.returncode == 0, err[-3000:]
+            for half in range(2):
+                with open(os.path.join(tmp, f"{half}.json.out")) as f:
+                    _PTX.update(json.load(f))
+    key = json.dumps([case, list(args)])
+    assert key in _PTX, f"{key}: not in planned()"
+    assert not _PTX[key].startswith("FAILED"), _PTX[key][-3000:]
+    return _PTX[key]
 
 
-@pytest.mark.parametrize("rows,silu_mul,partials,tiles", [
-    (1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1), (16, True, False, 8),
-    (64, True, False, 8), (64, False, True, 8)])
+@pytest.mark.parametrize("rows,silu_mul,partials,tiles", DECODE_LINEAR)
 def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partials, tiles):
     """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums. At
     64 rows (KERNEL_ROWS, what step_profile times) the tiles stay in registers too."""
@@ -214,8 +258,7 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
     assert "mma" in ptx and "ld.local" not in ptx
 
 
-@pytest.mark.parametrize("rows,silu_mul,partials,norm", [(1, False, True, 4), (1, True, False, 4), (16, False, True, 0),
-                                                         (8, True, False, 1)])
+@pytest.mark.parametrize("rows,silu_mul,partials,norm", DECODE_LINEAR_NORM)
 def test_decode_linear_with_the_norm_before_it_compiles(rows, silu_mul, partials, norm):
     """decode_linear's `norm` (kernels.configs.DECODE_NORM_IN_PROJECTION): the first weight tile still read before the
     wait, the rows after it, no local memory."""
@@ -224,9 +267,7 @@ def test_decode_linear_with_the_norm_before_it_compiles(rows, silu_mul, partials
     assert "mma" in ptx and "ld.local" not in ptx and "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-@pytest.mark.parametrize("rows,k,parts,columns,silu", [(1, 896, 3, False, False), (16, 4864, 1, False, False),
-                                                      (40, 896, 1, True, False), (64, 4864, 1, True, False),
-                                                      (64, 4864, 1, True, True), (256, 4864, 1, True, True)])
+@pytest.mark.parametrize("rows,k,parts,columns,silu", SHRINKS)
 def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, silu):
     """The slots' A is read before the wait on the kernel before (it is written before the step), x after it."""
     ptx = compiled("shrink_launched", rows, k, parts, columns, silu)
@@ -234,21 +275,18 @@ def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, si
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
-@pytest.mark.parametrize("add,rows,k,parts,columns,update", [
-    (False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (True, 256, 2048, 3, False, False),
-    (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
-    (True, 64, 896, 2, True, True)])
+@pytest.mark.parametrize("add,rows,k,parts,columns,update", NORMS)
 def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows, k, parts, columns, update):
     """Each program's chunk of A is read before the wait (with the rows' slots, from the tiles: both are written
     before the step), and stays in registers across it (no local memory); the rows after it. update (the add after
-    o, adding o's LoRA updates): o's A too, and its B after the wait, all in registers."""
+    o, adding o's LoRA updates): o's A and B too, all in registers."""
     ptx = compiled("norm_launched", add, rows, k, parts, columns, update)
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait].count("ld.global")
     assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
 
 
-@pytest.mark.parametrize("rows", [17, 64])
+@pytest.mark.parametrize("rows", MERGE_SHRINKS)
 def test_the_decode_merge_with_shrinks_reads_the_slots_before_the_wait(rows):
     """As the norms: each program's chunk of o's A before the wait, the partials after it, no local memory."""
     ptx = compiled("merge_shrinks_launched", rows)
@@ -265,7 +303,7 @@ def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     assert "atom." not in compiled("decode_split", rope, False)
 
 
-@pytest.mark.parametrize("kernel", ["_tile_shrink_kernel", "_expand_kernel"])
+@pytest.mark.parametrize("kernel", LORA_KERNELS)
 def test_lora_kernels_read_their_input_after_the_wait(kernel):
     """The tiles are read before the wait on the kernel before (written before the step); x, or the shrinks, and
     the outputs after it, where the K loop's pipelined copies (cp.async) start, none before."""
@@ -275,9 +313,27 @@ def test_lora_kernels_read_their_input_after_the_wait(kernel):
     assert "ld.global" in ptx[wait:] or "cp.async" in ptx[wait:]
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # compiles the cases listed in the file argv[1] into argv[1] + ".out"
+    import importlib
+    import traceback
+
     sys.path.insert(0, os.getcwd())
     cases = {"decode_linear_launched": decode_linear_launched, "shrink_launched": shrink_launched,
              "decode_split": decode_split_ptx, "lora": lora_ptx, "norm_launched": norm_launched,
              "merge_shrinks_launched": merge_shrinks_launched}
-    print(cases[sys.argv[1]](*json.loads(sys.argv[2])))
+    # The cases stand in Capture for the kernels they do not compile: each gets the modules as they were
+    modules = [importlib.import_module(f"kernels.{name}")
+               for name in ("lora", "decode", "decode_linear", "elementwise")]
+    with open(sys.argv[1]) as f:
+        todo = json.load(f)
+    out = {}
+    for case, args in todo:
+        saved = [dict(vars(module)) for module in modules]
+        try:
+            out[json.dumps([case, args])] = cases[case](*args)
+        except Exception:  # the test that asked for it fails with this
+            out[json.dumps([case, args])] = "FAILED\n" + traceback.format_exc()
+        for module, attributes in zip(modules, saved):
+            vars(module).update(attributes)
+    with open(sys.argv[1] + ".out", "w") as f:
+        json.dump(out, f)
