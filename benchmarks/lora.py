@@ -22,8 +22,8 @@ programs a row, each reading o's A and B); o's shrinks from the attention's merg
 every update added after the GEMMs by kernels.lora.lora_add_, as steps of 17-64 rows ran before the slots' columns;
 the columns for q/k/v and gate-up only (o and down after their GEMMs); the columns up to 64 rows only (past them,
 updates after the GEMMs, as shipped until a9b45da; the columns past 64 take each group's shrinks from a lora_shrink
-launch); and the norms' shrink programs holding 16 ranks each instead of 8 (fewer
-programs a row, twice the registers); at batch 1 only o's switch applies. `variants_x` compares each with the
+launch); and the norms' shrink programs holding 16 ranks each instead of 8 (fewer programs a row, twice the
+registers); at batch 1 only o's switch applies. `variants_x` compares each with the
 shipped graph captured again, not with graph_ms: graphs replay faster after a capture (whose warm-up is an eager
 forward) than right after engine steps (H200, c28a8ee: the base graph of 64 rows 1.10 ms right after engine steps,
 1.02 ms after one eager forward of the same inputs; the LoRA graph 1.42 against about 1.31), so only graphs timed

@@ -80,8 +80,8 @@ class Attention(nn.Module):
                                         self.scale).reshape(rows, -1)
         else:
             q = rotary(positions, q, k, store=(v, self.k_cache, self.v_cache, meta.slot_mapping))[0]
-            out, o_shrunk = paged_attention_shrinks(q, self.k_cache, self.v_cache, meta, self.scale,
-                                                    None if update else slot_merge_shrinks(self.o_proj, rows))
+            o_shrinks = slot_merge_shrinks(self.o_proj, rows) if update is None else None
+            out, o_shrunk = paged_attention_shrinks(q, self.k_cache, self.v_cache, meta, self.scale, o_shrinks)
         projected = fused_projection(out, self.o_proj.weight, None, (self.o_proj,), partials=self.tp.size == 1,
                                      shrunk=o_shrunk, lora=update is None)
         return all_reduce(projected, self.tp), None if update is None else (out, *update)

@@ -441,10 +441,8 @@ def slot_merge_shrinks(linear: nn.Linear, rows: int) -> tuple | None:
     to kernels.lora.ROW_SHRINK_MAX_ROWS rows; else None."""
     from kernels import lora
 
-    if not lora.SHRINKS_IN_MERGE or rows > lora.ROW_SHRINK_MAX_ROWS or slot_columns((linear,), rows, True) is None:
-        return None
-    weights, scales, tiles, rank, parts = slot_lora((linear,))
-    return weights, scales, tiles, rank, [parts[0][1]]
+    shrinks = slot_shrinks(rows, linear) if lora.SHRINKS_IN_MERGE and rows <= lora.ROW_SHRINK_MAX_ROWS else None
+    return shrinks[:-1] if shrinks is not None and shrinks[-1] else None  # (the last: in the slots' columns)
 
 
 def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
