@@ -158,16 +158,13 @@ def prime_decode_rows(runner, batch: int, context: int) -> None:
 
 
 # (name, fused projections, kernels.configs switches): the path as it is, with kernels/configs.py's one-attention-kernel
-# switches (RoPE and the cache write, and the splits' merge, in the split kernel) together and each alone, the norms
-# inside the projections after them (DECODE_NORM_IN_PROJECTION, alone and with those), without PDL, and the module path
+# switches (RoPE and the cache write, and the splits' merge, in the split kernel) together and each alone, without
+# PDL, and the module path
 ONE_ATTENTION_KERNEL = {"DECODE_ROPE_IN_ATTENTION": True, "DECODE_MERGE_IN_SPLIT": True}
 PATHS = [("fused", True, {}),
          ("fused_one_attention_kernel", True, ONE_ATTENTION_KERNEL),
          ("fused_rope_in_attention", True, {"DECODE_ROPE_IN_ATTENTION": True}),
          ("fused_merge_in_split", True, {"DECODE_MERGE_IN_SPLIT": True}),
-         ("fused_norm_in_projection", True, {"DECODE_NORM_IN_PROJECTION": True}),
-         ("fused_norm_in_projection_one_attention_kernel", True,
-          {"DECODE_NORM_IN_PROJECTION": True, **ONE_ATTENTION_KERNEL}),
          ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
 

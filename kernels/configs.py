@@ -128,11 +128,6 @@ DECODE_NUM_STAGES = 1 if INTERPRET else 3
 # (service/engine/model_runner.py).
 DECODE_MERGE_IN_SPLIT = False
 DECODE_ROPE_IN_ATTENTION = False
-# Decode rows without adapters (up to kernels.decode_linear.MAX_ROWS): the residual add and RMSNorm before q/k/v and
-# before gate-up computed inside that projection's kernel (decode_linear's `norm`: each program sums the row's
-# squares over all of K, then normalizes its K blocks as it reads them; service.model.layers.PendingNorm), two
-# launches a layer less. Off until benchmarks/step_profile.py times it (path fused_norm_in_projection).
-DECODE_NORM_IN_PROJECTION = False
 
 # ---------------------------------------------------------------------------------------------------------
 # Training backward (kernels/backward.py), one fixed config per kernel keyed by padded head_dim (the smallest key

@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
-from kernels.elementwise import _summed
 from kernels.lora import BLOCK_M as TILE_ROWS
 from kernels.lora import lora_shrink, used_tiles
 
@@ -41,9 +40,7 @@ KERNEL_ROWS = 64  # the kernel itself takes up to this many rows (benchmarks/ste
 @triton.jit
 def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, K_SPLIT,
                           LW, stride_lw, TILES, T, stride_t, N0, N1, B0, B1, B2,
-                          RES, RES_OUT, NW, stride_split, eps,
                           HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, NUM_TILES: tl.constexpr,
-                          NORM_SPLITS: tl.constexpr,
                           TILES_PADDED: tl.constexpr, TILE_ROWS: tl.constexpr, RANK: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
@@ -98,20 +95,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
         t = tl.load(t_cols + proj * RANK, mask=own, other=0.0)
         if SILU_MUL:
             t_up = tl.load(t_cols + RANK, mask=own, other=0.0)
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if NORM_SPLITS >= 0:  # x is RMSNorm(residual + X) (decode_linear's `norm`): the rows' inverse RMS first
-        first = (tl.program_id(0) == 0) & (tl.program_id(1) == 0)  # writes the new residual
-        squares = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ok = m_ok[:, None] & (kk[None, :] < K)
-            total = _residual_sum(X, RES, stride_split, stride_x, m, kk, ok, NORM_SPLITS, RES.dtype.element_ty)
-            squares += tl.sum(total * total, 1)
-            if first:
-                tl.store(RES_OUT + m[:, None] * stride_x + kk[None, :], total.to(RES.dtype.element_ty), mask=ok)
-        rstd = tl.rsqrt(squares / K + eps)
-    x = _input_block(X, RES, NW, stride_split, stride_x, rstd, m, k, m_ok[:, None] & k_ok, K, NORM_SPLITS,
-                     W.dtype.element_ty)
+    x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
     acc = tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SILU_MUL:
@@ -119,8 +103,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k[None, :] < k_hi
-        x = _input_block(X, RES, NW, stride_split, stride_x, rstd, m, k, m_ok[:, None] & k_ok, K, NORM_SPLITS,
-                         W.dtype.element_ty)
+        x = tl.load(X + m[:, None] * stride_x + k[None, :], mask=m_ok[:, None] & k_ok, other=0.0)
         w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok, other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
         if SILU_MUL:
@@ -129,7 +112,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
     if HAS_BIAS:
         if tl.program_id(1) == 0:
             acc += tl.load(BIAS + n, mask=n_ok, other=0.0).to(tl.float32)
-    dtype = W.dtype.element_ty
+    dtype = X.dtype.element_ty
     if SPLIT_K == 1:
         acc = acc.to(dtype).to(tl.float32)
         acc_up = acc_up.to(dtype).to(tl.float32)
@@ -145,30 +128,6 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
     tl.store(out, acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
-def _residual_sum(X, RES, stride_split, stride_x, m, k, ok, NORM_SPLITS: tl.constexpr, dtype: tl.constexpr):
-    """A block of the residual stream's new rows, residual + x, in float32 rounded to `dtype` as
-    kernels.elementwise.add_rms_norm_ rounds it: x X's NORM_SPLITS float32 partial sums (or X whole at 1) added up
-    and rounded first; NORM_SPLITS 0: the residual alone (the first layer's norm)."""
-    at = m[:, None] * stride_x + k[None, :]
-    total = tl.load(RES + at, mask=ok, other=0.0).to(tl.float32)
-    if NORM_SPLITS > 0:
-        total += _summed(X + at, stride_split, ok, NORM_SPLITS, dtype)
-    return total.to(dtype).to(tl.float32)
-
-
-@triton.jit
-def _input_block(X, RES, NW, stride_split, stride_x, rstd, m, k, ok, K, NORM_SPLITS: tl.constexpr,
-                 dtype: tl.constexpr):
-    """A block [rows, k] of the projection's input: X's, or (NORM_SPLITS >= 0) RMSNorm(residual + X) times the norm's
-    weight NW from the rows' inverse RMS rstd, rounded as kernels.elementwise.add_rms_norm_ rounds its output."""
-    if NORM_SPLITS < 0:
-        return tl.load(X + m[:, None] * stride_x + k[None, :], mask=ok, other=0.0)
-    total = _residual_sum(X, RES, stride_split, stride_x, m, k, ok, NORM_SPLITS, dtype)
-    weight = tl.load(NW + k, mask=k < K, other=0.0).to(tl.float32)
-    return ((total * rstd[:, None]).to(dtype).to(tl.float32) * weight[None, :]).to(dtype)
-
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits), measured on the H100 for the Qwen2.5-0.5B and Llama-3.2-1B
 # shapes at 1 and 16 rows with each call reading its weight from HBM, as in a decode step (benchmarks/step_profile.py
 # --sections linear). A projection of a few MB is bound by latency more than by bytes: splitting K gives it more
@@ -182,9 +141,9 @@ def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, i
     return (16, 512, 4, 3, 1) if k < 2048 else (32, 256, 4, 4, 1)
 
 
-def decode_linear(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  silu_mul: bool = False, lora: tuple | None = None, partials: bool = False, config=None,
-                  shrunk: torch.Tensor | None = None, norm: tuple | None = None) -> torch.Tensor:
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, silu_mul: bool = False,
+                  lora: tuple | None = None, partials: bool = False, config=None,
+                  shrunk: torch.Tensor | None = None) -> torch.Tensor:
     """x [M <= KERNEL_ROWS, K] -> x weight^T (+ bias) [M, N] (x and weight with unit column strides: the weight may be
     the first K columns of a wider one, service/model/lora.py's); silu_mul: weight [2N, K] holds gate then up, the
     result is silu(x gate^T) * (x up^T) [M, N].
@@ -197,27 +156,10 @@ def decode_linear(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tens
     not pay), for a consumer that adds them up (kernels.elementwise.add_rms_norm_, apply_rope_).
 
     shrunk: the rows' LoRA shrinks, already computed by the kernel that produced x (kernels.elementwise's norms,
-    [M, projections * rank]), instead of a lora_shrink launch.
-
-    norm: (residual [M, K], norm weight [K], eps, new residual [M, K]), all contiguous: the input is
-    RMSNorm(residual + x) * weight, computed here as kernels.elementwise.add_rms_norm_ computes it (x: the previous
-    projection's output, whole or as float32 partial sums [S, M, K]; None: the residual alone), the residual + x
-    written to the new residual: the norm's launch saved (kernels.configs.DECODE_NORM_IN_PROJECTION). Not with
-    lora (the norms compute LoRA shrinks)."""
-    if norm is not None:
-        residual, norm_weight, eps, new_residual = norm
-        if lora is not None or not residual.is_contiguous() or not new_residual.is_contiguous() or (
-                x is not None and (x.shape[-2:] != residual.shape or not x.is_contiguous())):
-            raise ValueError("norm takes contiguous x (or partial sums of it) and residuals of one shape, no lora")
-        norm_splits = 0 if x is None else x.shape[0] if x.dim() == 3 else 1
-        x, dtype = (residual if x is None else x), residual.dtype
-    else:
-        residual = norm_weight = new_residual = x  # placeholders, never read
-        norm_splits, eps, dtype = -1, 0.0, x.dtype
-    rows, k = x.shape[-2:]
+    [M, projections * rank]), instead of a lora_shrink launch."""
+    rows, k = x.shape
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    if rows > KERNEL_ROWS or x.stride(-1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k or (
-            x.dim() != 2 and norm is None):
+    if rows > KERNEL_ROWS or x.stride(1) != 1 or weight.stride(1) != 1 or weight.shape[1] != k:
         raise ValueError(f"decode_linear needs x [<= {KERNEL_ROWS}, K] and a weight [N, K], both with unit column "
                          f"stride, got {tuple(x.shape)}, {tuple(weight.shape)}")
     if partials and silu_mul:
@@ -229,7 +171,7 @@ def decode_linear(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tens
     if partials:
         y = torch.empty(splits, rows, n, dtype=torch.float32, device=x.device)
     else:
-        y = torch.empty(rows, n, dtype=dtype, device=x.device)
+        y = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if lora is None:
         lw, scales, tiles, rank, parts = y, y, y, 16, [(n, 0, 0)]
     else:
@@ -247,13 +189,12 @@ def decode_linear(x: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tens
     parts = list(parts) + [(0, 0, 0)] * (3 - len(parts))
     if rows:
         _decode_linear_kernel[(triton.cdiv(n, block_n), splits)](
-            x, weight, bias if bias is not None else weight, y, x.stride(-2), weight.stride(0), n, rows, n, k, k_split,
+            x, weight, bias if bias is not None else weight, y, x.stride(0), weight.stride(0), n, rows, n, k, k_split,
             lw, lw.stride(0), tiles, t, t.stride(0), parts[0][0], parts[1][0], *(p[2] for p in parts),
-            residual, new_residual, norm_weight, rows * k, eps,
-            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles, NORM_SPLITS=norm_splits,
+            HAS_BIAS=bias is not None, SILU_MUL=silu_mul, NUM_TILES=num_tiles,
             TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=TILE_ROWS, RANK=rank,
             BLOCK_M=max(MAX_ROWS, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=splits,
-            DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
             **pdl_launch(x.device))
     return y
 

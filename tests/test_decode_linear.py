@@ -90,31 +90,3 @@ def test_partial_sums_over_k_add_up_to_the_projection(device, lora_rows):
     assert out.dtype == torch.float32 and out.dim() == 3 and out.shape[0] > 1
     ref = decode_linear_ref(x, w, lora=lora, row_slots=torch.from_numpy(row_slots).to(device))
     assert rel_err(out.sum(0).to(dtype), ref) < 2e-2
-
-
-@pytest.mark.parametrize("rows,k,splits", [(1, 200, 3), (5, 96, 1), (16, 200, 0), (7, 300, 4)])
-@pytest.mark.parametrize("silu,partials", [(False, False), (True, False), (False, True)])
-def test_the_norm_before_the_projection_inside_it(device, rows, k, splits, silu, partials):
-    """norm: the input is RMSNorm(residual + x), x the previous projection's output (splits 1) or its float32 partial
-    sums (splits > 1) or nothing (splits 0: the first layer's norm of the residual alone), as
-    kernels.elementwise.add_rms_norm_ then the projection give it; the new residual in its own tensor."""
-    from kernels.elementwise import add_rms_norm_, rms_norm
-
-    for dtype in _dtypes(device):
-        gen = torch.Generator().manual_seed(rows * k + splits)
-        residual = torch.randn(rows, k, generator=gen).to(device, dtype)
-        x = None
-        if splits:
-            x = torch.randn(splits, rows, k, generator=gen).to(device, torch.float32)
-            x = x if splits > 1 else x[0].to(dtype)
-        nw = (torch.rand(k, generator=gen) + 0.5).to(device, dtype)
-        w = (torch.randn(64 if silu else 80, k, generator=gen) / k ** 0.5).to(device, dtype)
-        total = residual.clone()
-        h = rms_norm(total, nw, 1e-6) if x is None else add_rms_norm_(x, total, nw, 1e-6)
-        new_residual = torch.empty_like(residual)
-        before = residual.clone()
-        got = decode_linear(x, w, silu_mul=silu, partials=partials, norm=(residual, nw, 1e-6, new_residual))
-        want = decode_linear(h, w, silu_mul=silu, partials=partials)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        assert torch.equal(residual, before) and torch.equal(new_residual, total)
-        assert rel_err(got.sum(0) if partials else got, want.sum(0) if partials else want) < tol

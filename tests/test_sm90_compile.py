@@ -76,11 +76,9 @@ def launched_ptx(module, kernel: str, launch, **gpu_constexprs) -> str:
     return kernel.asm["ptx"]
 
 
-def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int, norm: int = -1) -> str:
+def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int) -> str:
     """kernels.decode_linear as a decode step calls it (bf16, the Qwen2.5-0.5B shape's widths), without LoRA or
-    with `tiles` tiles of rank 16 (the shrink kernel it launches first: shrink_launched); norm >= 0: computing the
-    add + RMSNorm before it from that many float32 partial sums of the previous projection (0: the residual alone,
-    1: its whole bf16 output)."""
+    with `tiles` tiles of rank 16 (the shrink kernel it launches first: shrink_launched)."""
     import torch
 
     import kernels.decode_linear as module
@@ -94,11 +92,6 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
     parts = [(n, 0, 16 * 896), (n, 16 * (896 + n), 16 * (2 * 896 + n))] if silu_mul else [(n, 0, 16 * 896)]
     lora = (torch.zeros(8, 16 * 2 * (896 + n), dtype=torch.bfloat16), torch.zeros(8),
             torch.full((8, 17), -1, dtype=torch.int32), 16, parts)
-    if norm >= 0:
-        prev = None if norm == 0 else x if norm == 1 else torch.randn(norm, rows, 896)
-        norm_args = (x.clone(), torch.ones(896, dtype=torch.bfloat16), 1e-6, x.clone())
-        return launched_ptx(module, "_decode_linear_kernel", lambda: module.decode_linear(
-            prev, weight, silu_mul=silu_mul, partials=partials, norm=norm_args), PDL=True)
     return launched_ptx(module, "_decode_linear_kernel", lambda: module.decode_linear(
         x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
 
@@ -201,7 +194,6 @@ def merge_shrinks_launched(rows: int) -> str:
 # three seconds of a case starting)
 DECODE_LINEAR = [(1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1),
                  (16, True, False, 8), (64, True, False, 8), (64, False, True, 8)]
-DECODE_LINEAR_NORM = [(1, False, True, 4), (1, True, False, 4), (16, False, True, 0), (8, True, False, 1)]
 SHRINKS = [(1, 896, 3, False, False), (16, 4864, 1, False, False), (40, 896, 1, True, False),
            (64, 4864, 1, True, False), (64, 4864, 1, True, True), (256, 4864, 1, True, True)]
 NORMS = [(False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (True, 256, 2048, 3, False, False),
@@ -213,8 +205,6 @@ LORA_KERNELS = ["_tile_shrink_kernel", "_expand_kernel"]
 
 def planned() -> list[tuple[str, list]]:
     return ([("decode_linear_launched", [*case]) for case in DECODE_LINEAR]
-            + [("decode_linear_launched", [rows, silu, partials, 0, norm])
-               for rows, silu, partials, norm in DECODE_LINEAR_NORM]
             + [("shrink_launched", [*case]) for case in SHRINKS] + [("norm_launched", [*case]) for case in NORMS]
             + [("merge_shrinks_launched", [rows]) for rows in MERGE_SHRINKS]
             + [("decode_split", [rope, merge]) for rope in (False, True) for merge in (False, True)]
@@ -256,15 +246,6 @@ def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partial
     64 rows (KERNEL_ROWS, what step_profile times) the tiles stay in registers too."""
     ptx = compiled("decode_linear_launched", rows, silu_mul, partials, tiles)
     assert "mma" in ptx and "ld.local" not in ptx
-
-
-@pytest.mark.parametrize("rows,silu_mul,partials,norm", DECODE_LINEAR_NORM)
-def test_decode_linear_with_the_norm_before_it_compiles(rows, silu_mul, partials, norm):
-    """decode_linear's `norm` (kernels.configs.DECODE_NORM_IN_PROJECTION): the first weight tile still read before the
-    wait, the rows after it, no local memory."""
-    ptx = compiled("decode_linear_launched", rows, silu_mul, partials, 0, norm)
-    wait = ptx.index("griddepcontrol.wait")
-    assert "mma" in ptx and "ld.local" not in ptx and "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
 
 
 @pytest.mark.parametrize("rows,k,parts,columns,silu", SHRINKS)

@@ -15,7 +15,6 @@ service.model.lora.slot_columns; from the norm for q/k/v and gate-up, from one l
 down from the launch that computes the SwiGLU gate); past them kernels.lora.lora_add_ adds them after the GEMM.
 """
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,23 +41,6 @@ def rms_norm_ref(x, weight, eps: float):
     return weight * x.to(dtype)
 
 
-@dataclass
-class PendingNorm:
-    """RMSNorm(residual + x) * weight, left to the decode-rows projection that reads it, which computes it in its own
-    kernel (kernels.decode_linear's `norm`, kernels.configs.DECODE_NORM_IN_PROJECTION: the norm's launch saved) and
-    writes residual + x to new_residual. x: the previous projection's output or its float32 partial sums; None: the
-    residual alone."""
-    x: torch.Tensor | None
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    new_residual: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.residual.shape
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -74,28 +56,17 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return rms_norm_ref(x, self.weight, self.eps)
 
-    def add(self, x, residual, fused: bool = False, shrinks: tuple | None = None, update: tuple | None = None,
-            defer: bool = False):
+    def add(self, x, residual, fused: bool = False, shrinks: tuple | None = None, update: tuple | None = None):
         """The residual stream's step: residual + x (x None: the stream's first value is residual alone), and its
         norm; returns (norm, new residual, shrinks). fused: one kernel, the residual updated in place; x may then be
         a projection's partial sums (service.model.layers.fused_projection), and, given `shrinks`
         (service.model.lora.slot_shrinks) and at most kernels.lora.ROW_SHRINK_MAX_ROWS rows, the kernel also
         computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
         tensor), in the slots' columns layout where slot_shrinks says so; and adds to x the LoRA updates of the
-        projection that produced it where `update` (service.model.lora.slot_update_in_norm) names its input.
-        defer: the norm may be left to the fused projection that reads it (a PendingNorm, then, for decode rows
-        without LoRA where kernels.configs.DECODE_NORM_IN_PROJECTION is on; the new residual a new tensor that
-        projection writes)."""
+        projection that produced it where `update` (service.model.lora.slot_update_in_norm) names its input."""
         if fused:
-            from kernels import configs
-            from kernels.decode_linear import MAX_ROWS
             from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm_shrinks
             from kernels.lora import ROW_SHRINK_MAX_ROWS
-
-            if (defer and configs.DECODE_NORM_IN_PROJECTION and shrinks is None and update is None
-                    and residual.shape[0] <= MAX_ROWS):
-                pending = PendingNorm(x, residual, self.weight, self.eps, torch.empty_like(residual))
-                return pending, pending.new_residual, None
 
             shrinks = shrinks if residual.shape[0] <= ROW_SHRINK_MAX_ROWS else None
             if update is not None and (shrinks is None or x is None):
@@ -197,9 +168,8 @@ class MLP(nn.Module):
             fuse_linears(self.down_proj, lora_columns=lora_columns)
 
     def forward(self, x, shrunk=None):
-        """shrunk: the LoRA shrinks of gate and up, computed by the norm before (RMSNorm.add), on the fused path; x
-        may be a PendingNorm there."""
-        if isinstance(x, PendingNorm) or fused_inference(self, "gate_up_weight", x):
+        """shrunk: the LoRA shrinks of gate and up, computed by the norm before (RMSNorm.add), on the fused path."""
+        if fused_inference(self, "gate_up_weight", x):
             return self._forward_fused(x, shrunk)
         gate, up = self.gate_proj(x), self.up_proj(x)
         add_slot_updates(x, (self.gate_proj, gate), (self.up_proj, up))
@@ -270,9 +240,6 @@ def fused_projection(x, weight, bias, linears, silu: bool = False, partials: boo
     layout, from one launch (service.model.lora.slot_columns_input). lora False: the base projections alone (o's,
     whose updates the residual add after it adds: service.model.lora.slot_update_in_norm)."""
     from kernels.decode_linear import MAX_ROWS, decode_linear
-    if isinstance(x, PendingNorm):  # decode rows without LoRA (RMSNorm.add's defer): the norm in this launch
-        return decode_linear(x.x, weight, bias, silu_mul=silu, partials=partials,
-                             norm=(x.residual, x.weight, x.eps, x.new_residual))
     if x.shape[0] <= MAX_ROWS:
         return decode_linear(x, weight, bias, silu_mul=silu, lora=slot_lora(linears) if lora else None,
                              partials=partials, shrunk=shrunk)

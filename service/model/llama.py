@@ -19,15 +19,7 @@ from service.model.attention import (
     varlen_attention,
 )
 from service.model.config import ModelConfig
-from service.model.layers import (
-    MLP,
-    PendingNorm,
-    RMSNorm,
-    RotaryEmbedding,
-    fuse_linears,
-    fused_inference,
-    fused_projection,
-)
+from service.model.layers import MLP, RMSNorm, RotaryEmbedding, fuse_linears, fused_inference, fused_projection
 from service.model.lora import add_slot_updates, slot_merge_shrinks, slot_shrinks, slot_update_in_norm
 from service.model.parallel import SINGLE, TensorParallel, all_reduce, embed, gather_logits, local_heads, vocab_rows
 
@@ -89,9 +81,8 @@ class Attention(nn.Module):
     def forward(self, x, positions, rotary, meta: AttentionMetadata | None, cu_seqlens=None, max_seqlen=0,
                 shrunk=None):
         """Returns (the output, o's LoRA update still to add: None, or what _forward_fused says). shrunk: the LoRA
-        shrinks of q, k and v, computed by the norm before (RMSNorm.add), on the fused path; x may be a PendingNorm
-        there."""
-        if isinstance(x, PendingNorm) or meta is not None and fused_inference(self, "qkv_weight", x):
+        shrinks of q, k and v, computed by the norm before (RMSNorm.add), on the fused path."""
+        if meta is not None and fused_inference(self, "qkv_weight", x):
             return self._forward_fused(x, positions, rotary, meta, shrunk)
         shape = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -130,12 +121,10 @@ class DecoderLayer(nn.Module):
         # Serving adapters from slots, each norm also computes the LoRA shrinks of the projections that read it
         rows = residual.shape[0]
         shrinks = slot_shrinks(rows, attn.q_proj, attn.k_proj, attn.v_proj) if fused and meta is not None else None
-        # Decode rows without adapters: each norm may be left to the projection after it (RMSNorm.add's defer)
-        h, residual, shrunk = self.input_layernorm.add(x, residual, fused, shrinks, defer=meta is not None)
+        h, residual, shrunk = self.input_layernorm.add(x, residual, fused, shrinks)
         out, update = attn(h, positions, rotary, meta, cu_seqlens, max_seqlen, shrunk=shrunk)
         shrinks = slot_shrinks(rows, mlp.gate_proj, mlp.up_proj) if fused else None
-        h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks, update,
-                                                                defer=meta is not None)
+        h, residual, shrunk = self.post_attention_layernorm.add(out, residual, fused, shrinks, update)
         return mlp(h, shrunk=shrunk), residual
 
 
