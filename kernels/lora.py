@@ -65,9 +65,10 @@ COLUMNS_SHRINK_LAUNCH = True
 UPDATE_IN_NORM_MAX_ROWS = 16
 # Past UPDATE_IN_NORM_MAX_ROWS and up to ROW_SHRINK_MAX_ROWS rows, whether a decode step's o shrinks come from the
 # attention's merge of its splits (kernels.decode.decode_attention_shrinks: the merge writes [output | shrinks] in the
-# columns layout, as the norms do for q/k/v and gate-up) rather than from a lora_shrink launch after it. Off until a
-# GPU run times it: benchmarks/lora.py's variants capture it both ways.
-SHRINKS_IN_MERGE = False
+# columns layout, as the norms do for q/k/v and gate-up) rather than from a lora_shrink launch after it. H200, d0b29bb,
+# Qwen2.5-0.5B shape, LoRA graphs of batch 64 captured both ways: 3 adapter rows 1.244 ms against 1.267 with o's own
+# shrink launch, all rows on 8 adapters 1.300 against 1.306, 1 adapter 1.277 against 1.279 (benchmarks/lora.py).
+SHRINKS_IN_MERGE = True
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v); benchmarks/lora.py times 16384 beside it (variants), as the norms cost 3.5 us a launch in the LoRA graph
