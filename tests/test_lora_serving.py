@@ -313,14 +313,16 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows", [17, 64, 100])
-def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, monkeypatch):
+@pytest.mark.parametrize("rows,norm_rows", [(17, 64), (64, 64), (100, 64), (100, 256)])
+def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows,
+                                                                          monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
     in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
     (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
     evicted after the columns were laid out, the projections fused again after, and rows of no adapter. Past the
-    norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink."""
+    norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink; with the norms'
+    bound raised to `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm."""
     from torch.nn import functional as F
 
     from kernels import lora
@@ -329,7 +331,8 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     from service.model.lora import LoRASlots, add_slot_updates, serving_slots, slot_columns, slot_shrinks
 
     monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
-    normed = rows <= lora.ROW_SHRINK_MAX_ROWS
+    monkeypatch.setattr(lora, "ROW_SHRINK_MAX_ROWS", norm_rows)
+    normed = rows <= norm_rows
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
     model = load_model(model_dir, dtype, device)
