@@ -56,12 +56,13 @@ COLUMNS_MAX_ROWS = 256
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
 COLUMNS_SHRINK_LAUNCH = True
-# Past ROW_SHRINK_MAX_ROWS, whether those groups' shrinks come from a cuBLAS GEMM of the input with every slot's A
-# stacked (service.model.lora: each fused weight's stack beside its columns) and a launch that keeps each row's
-# own slot's columns (columns_from_shrinks), rather than lora_shrink, whose programs each read one row's A (at 256
-# rows over 8 adapters about 84 MB from L2 a layer for the Qwen2.5-0.5B shape; lora_shrink then took 840 us of a
-# 2.05 ms step, H200, ab9b148). The GEMM reads each slot's A once. Off until a GPU run times it: benchmarks/lora.py's
-# variant `shrinks_from_gemm`.
+# Whether the groups that take the columns with no shrinks from their input's producer (down; o without the merge's;
+# any past ROW_SHRINK_MAX_ROWS) take them from a cuBLAS GEMM of the input with every slot's A stacked (beside each
+# fused weight, service.model.layers.fuse_linears) and a launch that keeps each row's own slot's columns
+# (columns_from_shrinks), rather than lora_shrink, whose programs each read one row's A (at 256 rows over 8 adapters
+# about 84 MB from L2 a layer for the Qwen2.5-0.5B shape; lora_shrink then took 840 us of a 2.05 ms step, H200,
+# ab9b148). The GEMM reads each slot's A once. Off until a GPU run times it: benchmarks/lora.py's variant
+# `shrinks_from_gemm`.
 COLUMNS_SHRINK_GEMM = False
 # Up to this many rows (at most ROW_SHRINK_MAX_ROWS; tensor parallelism off), o's LoRA updates are added by the
 # residual add that reads o's output (kernels.elementwise.add_rms_norm_shrinks' `update`: its programs of a row with
