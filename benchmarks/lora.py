@@ -250,7 +250,7 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
         latencies = summarize(Level(named, level.window, level.cpu_util))
         row["named_adapter"] = {k: latencies[k] for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
     print(f"served, {share:4.0%} naming adapters: {row['tok_per_s']:8.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:.0f} "
-          f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.1f} p99 {row['itl_p99_ms']:.1f} ms  "
+          f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.2f} p99 {row['itl_p99_ms']:.2f} ms  "
           f"{row['requests']} requests ({len(named)} named one)  {row['errors']} errors", flush=True)
     return row
 
@@ -405,7 +405,7 @@ def print_served(served: dict) -> None:
           f"{'x':>5} {'reqs':>5} {'named':>5} {'err':>4}")
     for r in served["phases"]:
         print(f"{r['adapter_share']:>9.0%} {r['tok_per_s']:8.0f} {r['tok_per_s_x']:5.2f} {r['ttft_p50_ms']:9.0f} "
-              f"{r['ttft_p99_ms']:6.0f} {r['itl_p50_ms']:8.1f} {r['itl_p50_x']:5.2f} {r['itl_p99_ms']:6.1f} "
+              f"{r['ttft_p99_ms']:6.0f} {r['itl_p50_ms']:8.2f} {r['itl_p50_x']:5.2f} {r['itl_p99_ms']:6.2f} "
               f"{r['itl_p99_x']:5.2f} {r['requests']:>5} {r['adapter_requests']:>5} {r['errors']:>4}")
     drift = served["base_drift"]
     print(f"the phase without adapters, last against first: tok/s {drift['tok_per_s']:.2f}x, "
