@@ -393,21 +393,14 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
 
 def columns_inputs(x, up, weights, stack, scales, tiles, rank: int, a_offsets: list[int], num_tiles: int) -> dict:
     """The two ways a projection group's input [x | shrinks] in the slots' columns is made where no norm computes
-    the shrinks (o, down, any group past 64 rows): kernels.lora.lora_shrink, and a cuBLAS GEMM over every slot's A
-    stacked then kernels.lora.columns_from_shrinks (COLUMNS_SHRINK_GEMM). up: x is the gate and up the up
+    the shrinks (o, down, any group past 64 rows): kernels.lora.lora_shrink, and kernels.lora.gemm_columns (a cuBLAS
+    GEMM over every slot's A stacked, then columns_from_shrinks: COLUMNS_SHRINK_GEMM). up: x is the gate and up the up
     projection of down's SwiGLU input."""
-    from torch.nn import functional as F
-
-    from kernels.elementwise import silu_mul
-    from kernels.lora import columns_from_shrinks, lora_shrink
-
-    def gemm():
-        h = x if up is None else silu_mul(x, up)
-        return columns_from_shrinks(h, F.linear(h, stack), scales, tiles, rank, num_tiles)
+    from kernels.lora import gemm_columns, lora_shrink
 
     return {"lora_shrink": lambda: lora_shrink(x, weights, scales, tiles, rank, a_offsets, num_tiles, columns=True,
                                                up=up),
-            "gemm": gemm}
+            "gemm": lambda: gemm_columns(x, stack, scales, tiles, rank, num_tiles, up=up)}
 
 
 def sweep_columns(rank: int = 16, slots: int = 8) -> list[dict]:

@@ -469,6 +469,18 @@ def columns_from_shrinks(x: torch.Tensor, t: torch.Tensor, scales: torch.Tensor,
     return out
 
 
+def gemm_columns(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
+                 num_tiles: int, up: torch.Tensor | None = None) -> torch.Tensor:
+    """[x | shrinks] in the columns layout as lora_shrink(columns=True) writes it, by COLUMNS_SHRINK_GEMM's way: a
+    cuBLAS GEMM of x and every slot's A stacked in the columns' order [P * slots * rank, K], then
+    columns_from_shrinks. up: x is the gate and up the up projection of a SwiGLU, whose result silu(x) * up
+    (kernels.elementwise.silu_mul, a launch before the GEMM) is the input."""
+    if up is not None:
+        from kernels.elementwise import silu_mul  # (kernels.elementwise imports this module)
+        x = silu_mul(x, up)
+    return columns_from_shrinks(x, torch.nn.functional.linear(x, stack), scales, tiles, rank, num_tiles)
+
+
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,
               scales: torch.Tensor, tiles: torch.Tensor, rank: int, config: tuple | None = None,
               shrunk: torch.Tensor | None = None) -> None:

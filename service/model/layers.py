@@ -215,9 +215,10 @@ def fuse_linears(*linears: nn.Linear, lora_columns: int = 0) -> tuple[torch.Tens
     with torch.no_grad():
         wide = linears[0].weight.new_zeros(rows, k + len(linears) * lora_columns)
         wide[:, :k] = torch.cat([linear.weight for linear in linears])
-        stack = wide.new_zeros(len(linears) * lora_columns, k)
-        if lora_columns and before is not None and before[0].shape == wide.shape:
-            wide[:, k:], stack = before[0][:, k:], before[3]
+        carried = lora_columns and before is not None and before[0].shape == wide.shape
+        stack = before[3] if carried else wide.new_zeros(len(linears) * lora_columns, k)
+        if carried:
+            wide[:, k:] = before[0][:, k:]
         bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
     at = 0
     for p, linear in enumerate(linears):

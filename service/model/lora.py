@@ -25,7 +25,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
-from torch.nn import functional as F
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BASE_KEY = "base_fingerprint"  # the metadata entry of the base model's fingerprint (service.model.fingerprint)
@@ -474,10 +473,7 @@ def slot_columns_input(x: torch.Tensor, linears, up: torch.Tensor | None = None)
     weights, scales, tiles, rank, parts = slot_lora(linears)
     num_tiles = lora.used_tiles(tiles, x.shape[0], weights.shape[0])
     if lora.COLUMNS_SHRINK_GEMM:
-        if up is not None:
-            from kernels.elementwise import silu_mul
-            x = silu_mul(x, up)
-        return lora.columns_from_shrinks(x, F.linear(x, linears[0]._lora_columns[3]), scales, tiles, rank, num_tiles)
+        return lora.gemm_columns(x, linears[0]._lora_columns[3], scales, tiles, rank, num_tiles, up=up)
     return lora.lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts], num_tiles, columns=True,
                             up=up)
 
