@@ -23,16 +23,12 @@ and B); o's shrinks from a lora_shrink launch of their own at 17-64 rows rather 
 the slots' columns; the columns for q/k/v and gate-up only (o and down after their GEMMs); the columns up to 64 rows
 only (past them, updates after the GEMMs, as shipped until a9b45da; the columns past 64 take each group's shrinks
 from a lora_shrink launch); the norms' shrink programs holding 16 ranks each instead of 8 (fewer programs a row,
-twice the registers); q/k/v's and gate-up's shrinks from their norms up to 256 rows instead of 64 (a lora_shrink
-launch fewer for each of the two; a row of no slot only zeros its columns there); and the shrinks that lora_shrink
-computes (down's, o's without the merge's, every group's past 64 rows) from a cuBLAS GEMM of the input and every
-slot's A stacked, then a launch that keeps each row's own slot's columns (COLUMNS_SHRINK_GEMM), instead of
-lora_shrink's per-row reads of A: alone, with the norms' shrinks to 256 rows, and for every group from 17 rows (no
-norm's or merge's shrinks); at batch 1 only o's switch applies. `variants_x` compares each with the shipped graph
-captured again, not with graph_ms: graphs replay faster after a capture (whose warm-up is an eager forward) than
-right after engine steps (H200, c28a8ee: the base graph of 64 rows 1.10 ms right after engine steps, 1.02 ms after
-one eager forward of the same inputs; the LoRA graph 1.42 against about 1.31), so only graphs timed after the same
-captures compare.
+twice the registers); and q/k/v's and gate-up's shrinks from their norms up to 256 rows instead of 64 (a lora_shrink
+launch fewer for each of the two; a row of no slot only zeros its columns there); at batch 1 only o's switch
+applies. `variants_x` compares each with the shipped graph captured again, not with graph_ms: graphs replay faster
+after a capture (whose warm-up is an eager forward) than right after engine steps (H200, c28a8ee: the base graph of
+64 rows 1.10 ms right after engine steps, 1.02 ms after one eager forward of the same inputs; the LoRA graph 1.42
+against about 1.31), so only graphs timed after the same captures compare.
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 
@@ -83,10 +79,7 @@ VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM_MAX_ROWS": 0},
             "o_shrinks_own_launch": {"SHRINKS_IN_MERGE": False},
             "updates_after_gemms": {"COLUMNS_MAX_ROWS": 0}, "o_down_after_gemms": {"COLUMNS_SHRINK_LAUNCH": False},
             "columns_to_64_rows": {"COLUMNS_MAX_ROWS": 64}, "norm_shrinks_16_ranks": {"SHRINK_CHUNK_ELEMENTS": 16384},
-            "shrinks_in_norms_to_256_rows": {"ROW_SHRINK_MAX_ROWS": 256},
-            "shrinks_from_gemm": {"COLUMNS_SHRINK_GEMM": True},
-            "shrinks_in_norms_to_256_rows_and_gemm": {"ROW_SHRINK_MAX_ROWS": 256, "COLUMNS_SHRINK_GEMM": True},
-            "shrinks_from_gemm_past_16_rows": {"ROW_SHRINK_MAX_ROWS": 16, "COLUMNS_SHRINK_GEMM": True}}
+            "shrinks_in_norms_to_256_rows": {"ROW_SHRINK_MAX_ROWS": 256}}
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 
 

@@ -5,15 +5,14 @@ where its host time goes. Decode: the wall time of overlapped steps at a few bat
 that cost most (cProfile), to set against the decode graph's GPU time (timed right after the steps, and again after
 an eager forward: decode_profile); and at batch 64 with 3 sequences on a LoRA adapter.
 
-Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes, the kernels a decode step launches
-(per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a 512-token
-context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside the floor
-(the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations against
-cuBLAS on each projection of both shapes at 1, 16 and 64 rows (the model takes it up to 16); --sections lora:
-kernels/lora.py's (the LoRA updates of larger steps) at 64 and 256 rows over 8 adapters, and the two ways of the
-slots' columns input (columns_inputs: lora_shrink, or a GEMM + columns_from_shrinks) on all rows and on 5%;
---sections decode_lora: decode_linear with its rows' LoRA slots against without, each projection of the Qwen2.5-0.5B
-shape at 1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there).
+Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes, the kernels a decode step
+launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
+512-token context, on the fused path (service/model/layers.py) and the module-by-module one, in one process, beside
+the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/decode_linear.py's configurations
+against cuBLAS on each projection of both shapes at 1, 16 and 64 rows (the model takes it up to 16); --sections
+lora: kernels/lora.py's (the LoRA updates of larger steps) at 64 and 256 rows over 8 adapters; --sections
+decode_lora: decode_linear with its rows' LoRA slots against without, each projection of the Qwen2.5-0.5B shape at
+1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there).
 
 python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora,decode_lora] [--out DIR]
 
@@ -69,7 +68,6 @@ def main():
         result["linear"] = sweep_linear()
     if "lora" in sections:
         result["lora"] = sweep_lora()
-        result["lora_columns"] = sweep_columns()
     if "decode_lora" in sections:
         result["decode_lora"] = sweep_decode_lora()
     if "graphs" in sections:
@@ -388,48 +386,6 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
             rows_out.append(row)
             print(f"lora_add_ {proj:>8} rows {m:>3}: " + ", ".join(
                 f"{1e3 * timed[t]:.1f} {t}" for t in sorted(timed, key=timed.get)[:4]), flush=True)
-    return rows_out
-
-
-def columns_inputs(x, up, weights, stack, scales, tiles, rank: int, a_offsets: list[int], num_tiles: int) -> dict:
-    """The two ways a projection group's input [x | shrinks] in the slots' columns is made where no norm computes
-    the shrinks (o, down, any group past 64 rows): kernels.lora.lora_shrink, and kernels.lora.gemm_columns (a cuBLAS
-    GEMM over every slot's A stacked, then columns_from_shrinks: COLUMNS_SHRINK_GEMM). up: x is the gate and up the up
-    projection of down's SwiGLU input."""
-    from kernels.lora import gemm_columns, lora_shrink
-
-    return {"lora_shrink": lambda: lora_shrink(x, weights, scales, tiles, rank, a_offsets, num_tiles, columns=True,
-                                               up=up),
-            "gemm": lambda: gemm_columns(x, stack, scales, tiles, rank, num_tiles, up=up)}
-
-
-def sweep_columns(rank: int = 16, slots: int = 8) -> list[dict]:
-    """columns_inputs' two ways for each projection group of the Qwen2.5-0.5B shape at 64 and 256 rows, 8 adapters
-    over all rows or 5% of them, the slots and the stacks read from HBM as in a step."""
-    import numpy as np
-
-    from kernels.lora import lora_tiles, max_tiles, used_tiles
-
-    rows_out = []
-    for proj, (k, widths, _, _, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
-        lws, stacks = hbm_copies(slots, size), hbm_copies(len(widths) * slots * rank, k)
-        scales = torch.ones(slots, device="cuda")
-        for m in (64, 256):
-            x = torch.randn(m, 2 * k if proj == "down" else k, device="cuda", dtype=torch.bfloat16)
-            x, up = (x[:, :k], x[:, k:]) if proj == "down" else (x, None)
-            for on in (m, max(1, round(0.05 * m))):
-                row_slots = np.where(np.arange(m) < on, np.arange(m) % slots, -1).astype(np.int32)
-                tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(m, slots))).cuda()
-                n = used_tiles(tiles, m, slots)
-                row = {"proj": proj, "rows": m, "adapter_rows": on}
-                for way in ("lora_shrink", "gemm"):
-                    row[f"{way}_us"] = 1e3 * _graph_ms(lambda i, way=way: columns_inputs(
-                        x, up, lws[i % len(lws)], stacks[i % len(stacks)], scales, tiles, rank,
-                        [a for _, a, _ in parts], n)[way]())
-                rows_out.append(row)
-                print(f"columns input {proj:>8} rows {m:>3} ({on:>3} on adapters): lora_shrink "
-                      f"{row['lora_shrink_us']:.1f} us, GEMM + columns_from_shrinks {row['gemm_us']:.1f} us",
-                      flush=True)
     return rows_out
 
 

@@ -56,14 +56,6 @@ COLUMNS_MAX_ROWS = 256
 # their shrinks from one lora_shrink launch each (over all of K per row), or lora_add_'s two launches after their
 # GEMM.
 COLUMNS_SHRINK_LAUNCH = True
-# Whether the groups that take the columns with no shrinks from their input's producer (down; o without the merge's;
-# any past ROW_SHRINK_MAX_ROWS) take them from a cuBLAS GEMM of the input with every slot's A stacked (beside each
-# fused weight, service.model.layers.fuse_linears) and a launch that keeps each row's own slot's columns
-# (columns_from_shrinks), rather than lora_shrink, whose programs each read one row's A (at 256 rows over 8 adapters
-# about 84 MB from L2 a layer for the Qwen2.5-0.5B shape; lora_shrink then took 840 us of a 2.05 ms step, H200,
-# ab9b148). The GEMM reads each slot's A once. Off until a GPU run times it: benchmarks/lora.py's variant
-# `shrinks_from_gemm`.
-COLUMNS_SHRINK_GEMM = False
 # Up to this many rows (at most ROW_SHRINK_MAX_ROWS; tensor parallelism off), o's LoRA updates are added by the
 # residual add that reads o's output (kernels.elementwise.add_rms_norm_shrinks' `update`: its programs of a row with
 # a slot read the attention's output row and o's A and B), not by a shrink launch and decode_linear's expands (or,
@@ -430,55 +422,6 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
         RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=warps, **layout,
         **pdl_launch(x.device))
     return t
-
-
-@triton.jit
-def _columns_kernel(X, T, SCALES, TILES, OUT, stride_x, stride_t, stride_out, K, N_T, NUM_TILES: tl.constexpr,
-                    TILES_PADDED: tl.constexpr, BLOCK_M: tl.constexpr, RANK: tl.constexpr, SLOTS: tl.constexpr,
-                    BLOCK: tl.constexpr, PDL: tl.constexpr):
-    row, block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, BLOCK_M)  # (the tiles are written before the step)
-    scale = tl.load(SCALES + tl.maximum(slot, 0))
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    cols = block * BLOCK + tl.arange(0, BLOCK)
-    c = cols - K
-    own = (c >= 0) & (c < N_T) & ((c // RANK) % SLOTS == slot)
-    x = tl.load(X + row * stride_x + cols, mask=cols < K, other=0.0)
-    t = tl.load(T + row * stride_t + c, mask=own, other=0.0).to(tl.float32) * scale
-    out = OUT.dtype.element_ty
-    tl.store(OUT + row * stride_out + cols, tl.where(cols < K, x.to(out), t.to(out)), mask=cols < K + N_T)
-
-
-def columns_from_shrinks(x: torch.Tensor, t: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
-                         num_tiles: int) -> torch.Tensor:
-    """[x | shrinks] in the columns layout (module doc) from t [rows, P * slots * rank] = x A^T for every slot's A
-    of each projection (the columns' order): each row keeps its own slot's columns, scaled, zeros in the others'
-    (every column zero for a row in none of the first num_tiles tiles). t is rounded to x's dtype before the scale
-    where lora_shrink rounds once after it."""
-    rows, k = x.shape
-    slots = scales.shape[0]
-    out = torch.empty(rows, k + t.shape[1], dtype=x.dtype, device=x.device)
-    block = min(triton.next_power_of_2(out.shape[1]), 1024)
-    if rows:
-        _columns_kernel[(rows, triton.cdiv(out.shape[1], block))](
-            x, t, scales, tiles, out, x.stride(0), t.stride(0), out.stride(0), k, t.shape[1], NUM_TILES=num_tiles,
-            TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), BLOCK_M=BLOCK_M, RANK=rank, SLOTS=slots,
-            BLOCK=block, **pdl_launch(x.device))
-    return out
-
-
-def gemm_columns(x: torch.Tensor, stack: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
-                 num_tiles: int, up: torch.Tensor | None = None) -> torch.Tensor:
-    """[x | shrinks] in the columns layout as lora_shrink(columns=True) writes it, by COLUMNS_SHRINK_GEMM's way: a
-    cuBLAS GEMM of x and every slot's A stacked in the columns' order [P * slots * rank, K], then
-    columns_from_shrinks. up: x is the gate and up the up projection of a SwiGLU, whose result silu(x) * up
-    (kernels.elementwise.silu_mul, a launch before the GEMM) is the input."""
-    if up is not None:
-        from kernels.elementwise import silu_mul  # (kernels.elementwise imports this module)
-        x = silu_mul(x, up)
-    return columns_from_shrinks(x, torch.nn.functional.linear(x, stack), scales, tiles, rank, num_tiles)
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,

@@ -9,7 +9,7 @@ import torch
 from test_engine import GREEDY, assert_no_leaks, make_llm
 from tiny_models import make_tiny_model
 
-from kernels.lora import columns_from_shrinks, lora_add_, lora_add_ref, lora_shrink, lora_tiles, max_tiles, slot_rank
+from kernels.lora import lora_add_, lora_add_ref, lora_shrink, lora_tiles, max_tiles, slot_rank
 from service.engine.llm import LLM
 from service.engine.scheduler import Scheduler
 from service.engine.sequence import Sequence
@@ -268,26 +268,6 @@ def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(devi
         assert_columns(t, t[:, :k] if silu else x, weights, scales, parts, row_slots, r, tol)
 
 
-@pytest.mark.parametrize("rows,k,widths,slots", [(70, 200, (96,), 4), (130, 300, (64, 32, 32), 8),
-                                               (17, 1100, (32,), 2)])
-def test_columns_from_a_gemm_of_every_slots_shrinks_keep_each_rows_own(device, rows, k, widths, slots):
-    """columns_from_shrinks (kernels.lora.COLUMNS_SHRINK_GEMM): from x and x A^T over every slot's A stacked in the
-    columns' order, [x | shrinks] as lora_shrink writes it: each row's own slot's columns scaled, zeros elsewhere,
-    and a row of no slot (a third of them) all zeros; x a view, as attention's output may be."""
-    r = 16
-    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
-        gen = torch.Generator().manual_seed(rows + k)
-        weights, scales, parts = random_slots(widths, k, slots, r, device, dtype, gen)
-        stack = torch.cat([weights[s, a_at:a_at + r * k].view(r, k) for _, a_at, _ in parts for s in range(slots)])
-        x = torch.randn(rows, k + 7, generator=gen).to(device, dtype)[:, :k]
-        row_slots = np.where(np.arange(rows) % 3 == 1, -1, np.arange(rows) % slots).astype(np.int32)
-        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
-        t = columns_from_shrinks(x, x @ stack.t(), scales, tiles, r, max_tiles(rows, slots))
-        assert t.shape == (rows, k + len(widths) * slots * r)
-        # (the shrinks rounded before their scale: within a rounding of lora_shrink's)
-        assert_columns(t, x, weights, scales, parts, row_slots, r, 1e-5 if dtype == torch.float32 else 3e-2)
-
-
 # -- the scheduler ---------------------------------------------------------------------------------------------------
 def test_at_most_max_loras_adapters_run_and_a_waiting_one_is_not_starved():
     scheduler = Scheduler(num_blocks=64, block_size=16, enable_prefix_caching=False, max_num_seqs=16,
@@ -333,9 +313,8 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows,norm_rows,gemm", [(17, 64, False), (64, 64, False), (100, 64, False),
-                                               (100, 256, False), (100, 64, True)])
-def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows, gemm,
+@pytest.mark.parametrize("rows,norm_rows", [(17, 64), (64, 64), (100, 64), (100, 256)])
+def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows,
                                                                           monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
@@ -343,9 +322,7 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
     evicted after the columns were laid out, the projections fused again after, and rows of no adapter. Past the
     norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink; with the norms'
-    bound raised to `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm.
-    gemm: the groups without a norm's shrinks take them from a GEMM over the slots' A stacked beside the fused
-    weight (kernels.lora.COLUMNS_SHRINK_GEMM), which the slot loads and the eviction must have kept up to date."""
+    bound raised to `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm."""
     from torch.nn import functional as F
 
     from kernels import lora
@@ -355,7 +332,6 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
 
     monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
     monkeypatch.setattr(lora, "ROW_SHRINK_MAX_ROWS", norm_rows)
-    monkeypatch.setattr(lora, "COLUMNS_SHRINK_GEMM", gemm)
     normed = rows <= norm_rows
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)

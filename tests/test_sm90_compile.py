@@ -190,19 +190,6 @@ def merge_shrinks_launched(rows: int) -> str:
         q, cache, cache, lens, table, None, 3, (weights, scales, tiles, 16, [0])), PDL=True)
 
 
-def columns_launched(rows: int) -> str:
-    """kernels.lora.columns_from_shrinks of `rows` bf16 rows of down's input (K 4864), rank 16 over 8 slots."""
-    import numpy as np
-    import torch
-
-    import kernels.lora as module
-
-    x, t = torch.randn(rows, 4864, dtype=torch.bfloat16), torch.randn(rows, 8 * 16, dtype=torch.bfloat16)
-    tiles = torch.from_numpy(module.lora_tiles(np.arange(rows) % 8, module.max_tiles(rows, 8)))
-    return launched_ptx(module, "_columns_kernel", lambda: module.columns_from_shrinks(
-        x, t, torch.ones(8), tiles, 16, module.max_tiles(rows, 8)), PDL=True)
-
-
 # The cases the tests below compile, all in two child processes (one each started in the test, it spent two of the
 # three seconds of a case starting)
 DECODE_LINEAR = [(1, False, True, 0), (1, False, False, 0), (16, True, False, 0), (1, False, True, 1),
@@ -213,7 +200,6 @@ NORMS = [(False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (Tr
          (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
          (True, 64, 896, 2, True, True)]
 MERGE_SHRINKS = [17, 64]
-COLUMNS = [65, 256]
 LORA_KERNELS = ["_tile_shrink_kernel", "_expand_kernel"]
 
 
@@ -221,7 +207,6 @@ def planned() -> list[tuple[str, list]]:
     return ([("decode_linear_launched", [*case]) for case in DECODE_LINEAR]
             + [("shrink_launched", [*case]) for case in SHRINKS] + [("norm_launched", [*case]) for case in NORMS]
             + [("merge_shrinks_launched", [rows]) for rows in MERGE_SHRINKS]
-            + [("columns_launched", [rows]) for rows in COLUMNS]
             + [("decode_split", [rope, merge]) for rope in (False, True) for merge in (False, True)]
             + [("lora", [kernel]) for kernel in LORA_KERNELS])
 
@@ -290,14 +275,6 @@ def test_the_decode_merge_with_shrinks_reads_the_slots_before_the_wait(rows):
     assert ptx[:wait].count("ld.global") >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
 
 
-@pytest.mark.parametrize("rows", COLUMNS)
-def test_columns_from_shrinks_reads_the_tiles_before_the_wait(rows):
-    """The rows' slots and scales before the wait (written before the step), x and the shrinks after it."""
-    ptx = compiled("columns_launched", rows)
-    wait = ptx.index("griddepcontrol.wait")
-    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "ld.local" not in ptx
-
-
 @pytest.mark.parametrize("rope", [False, True])
 def test_decode_split_merges_after_one_release_acquire_atomic(rope):
     ptx = compiled("decode_split", rope, True)
@@ -324,7 +301,7 @@ if __name__ == "__main__":  # compiles the cases listed in the file argv[1] into
     sys.path.insert(0, os.getcwd())
     cases = {"decode_linear_launched": decode_linear_launched, "shrink_launched": shrink_launched,
              "decode_split": decode_split_ptx, "lora": lora_ptx, "norm_launched": norm_launched,
-             "merge_shrinks_launched": merge_shrinks_launched, "columns_launched": columns_launched}
+             "merge_shrinks_launched": merge_shrinks_launched}
     # The cases stand in Capture for the kernels they do not compile: each gets the modules as they were
     modules = [importlib.import_module(f"kernels.{name}")
                for name in ("lora", "decode", "decode_linear", "elementwise")]

@@ -39,24 +39,6 @@ def test_every_path_switch_is_a_setting_of_kernels_configs():
         assert all(isinstance(getattr(configs, key), bool) for key in switches)
 
 
-def test_both_ways_of_the_columns_input_agree():
-    """--sections lora's sweep_columns: lora_shrink and the GEMM over the slots' A stacked + columns_from_shrinks
-    give the same [x | shrinks], for an input of its own and for down's SwiGLU (a third of the rows on no slot)."""
-    rows, k, rank, slots = 20, 48, 16, 3
-    gen = torch.Generator().manual_seed(0)
-    weights, scales = torch.randn(slots, 2 * rank * (k + 8), generator=gen) / 4, torch.rand(slots, generator=gen) + 0.5
-    a_offsets = [0, rank * (k + 8)]
-    stack = torch.cat([weights[s, a:a + rank * k].view(rank, k) for a in a_offsets for s in range(slots)])
-    row_slots = np.where(np.arange(rows) % 3 == 1, -1, np.arange(rows) % slots).astype(np.int32)
-    tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots)))
-    gate_up = torch.randn(rows, 2 * k, generator=gen)
-    for x, up in ((gate_up[:, :k], None), (gate_up[:, :k], gate_up[:, k:])):
-        ways = step_profile.columns_inputs(x, up, weights, stack, scales, tiles, rank, a_offsets,
-                                           max_tiles(rows, slots))
-        got, want = ways["gemm"](), ways["lora_shrink"]()
-        assert got.shape == want.shape == (rows, k + 2 * slots * rank) and rel_err(got, want) < 1e-5
-
-
 def test_every_lora_case_is_a_valid_decode_linear_call():
     """The projection groups of --sections decode_lora and lora (here of a small shape) with their slot layouts:
     decode_linear with one adapter matches its reference."""

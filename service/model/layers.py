@@ -207,24 +207,21 @@ def fuse_linears(*linears: nn.Linear, lora_columns: int = 0) -> tuple[torch.Tens
     """One weight (and bias) holding the linears' rows in order; each linear's parameters become views of it.
     lora_columns > 0: that weight is the first K columns of a wider one with lora_columns more per linear, where
     service.model.lora.LoRASlots puts its slots' B (kernels.lora's columns layout; zeros at first, carried over
-    from the wider weight the linears already had), and beside it the slots' A stacked in the same order [linears *
-    lora_columns, K] (kernels.lora.COLUMNS_SHRINK_GEMM); each linear's `_lora_columns` is (that wider weight, the
-    linear's first row there, its first column of slots' B, the stack)."""
+    from the wider weight the linears already had); each linear's `_lora_columns` is (that wider weight, the
+    linear's first row there, its first column of slots' B)."""
     k, rows = linears[0].in_features, sum(linear.out_features for linear in linears)
     before = getattr(linears[0], "_lora_columns", None)
     with torch.no_grad():
         wide = linears[0].weight.new_zeros(rows, k + len(linears) * lora_columns)
         wide[:, :k] = torch.cat([linear.weight for linear in linears])
-        carried = lora_columns and before is not None and before[0].shape == wide.shape
-        stack = before[3] if carried else wide.new_zeros(len(linears) * lora_columns, k)
-        if carried:
+        if lora_columns and before is not None and before[0].shape == wide.shape:
             wide[:, k:] = before[0][:, k:]
         bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
     at = 0
     for p, linear in enumerate(linears):
         n = linear.out_features
         linear.weight = nn.Parameter(wide[at:at + n, :k], requires_grad=linear.weight.requires_grad)
-        linear._lora_columns = (wide, at, k + p * lora_columns, stack) if lora_columns else None
+        linear._lora_columns = (wide, at, k + p * lora_columns) if lora_columns else None
         if bias is not None:
             linear.bias = nn.Parameter(bias[at:at + n], requires_grad=linear.bias.requires_grad)
         at += n

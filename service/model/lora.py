@@ -346,12 +346,10 @@ class LoRASlots:
         self.scales[slot].fill_(adapter.scale)
         for name, linear in self.linears.items():
             if getattr(linear, "_lora_columns", None) is not None:
-                wide, row, col, stack = linear._lora_columns
-                a_at, b_at, n_in, n_out = self.layout[name]
+                wide, row, col = linear._lora_columns
+                _, b_at, _, n_out = self.layout[name]
                 b = self.storage[slot, b_at:b_at + n_out * self.rank].view(n_out, self.rank)
-                at = col + slot * self.rank
-                wide[row:row + n_out, at:at + self.rank].copy_(b)
-                stack[at - n_in:at - n_in + self.rank].copy_(self.storage[slot, a_at:b_at].view(self.rank, n_in))
+                wide[row:row + n_out, col + slot * self.rank:col + (slot + 1) * self.rank].copy_(b)
 
     def _pack(self, adapter: Adapter) -> torch.Tensor:
         entry = self._packed.get(id(adapter))
@@ -463,19 +461,14 @@ def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
 
 
 def slot_columns_input(x: torch.Tensor, linears, up: torch.Tensor | None = None) -> torch.Tensor:
-    """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down; any past
-    kernels.lora.ROW_SHRINK_MAX_ROWS): one kernels.lora.lora_shrink launch, or with kernels.lora.COLUMNS_SHRINK_GEMM
-    a GEMM of x and the slots' A stacked beside the fused weight, then kernels.lora.columns_from_shrinks. up: x is
-    the gate and up the up projection of the SwiGLU whose result silu(x) * up the projections read (down),
-    computed in the same launch (with the GEMM, by silu_mul before it)."""
-    from kernels import lora
+    """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down): one
+    kernels.lora.lora_shrink launch. up: x is the gate and up the up projection of the SwiGLU whose result
+    silu(x) * up the projections read (down), computed in the same launch."""
+    from kernels.lora import lora_shrink, used_tiles
 
     weights, scales, tiles, rank, parts = slot_lora(linears)
-    num_tiles = lora.used_tiles(tiles, x.shape[0], weights.shape[0])
-    if lora.COLUMNS_SHRINK_GEMM:
-        return lora.gemm_columns(x, linears[0]._lora_columns[3], scales, tiles, rank, num_tiles, up=up)
-    return lora.lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts], num_tiles, columns=True,
-                            up=up)
+    return lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts],
+                       used_tiles(tiles, x.shape[0], weights.shape[0]), columns=True, up=up)
 
 
 def eager_adapters_active() -> bool:
