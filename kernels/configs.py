@@ -32,6 +32,21 @@ def _capability(index) -> tuple[int, int]:
     import torch
     return torch.cuda.get_device_capability(index)
 
+
+_ZEROED: dict[tuple, list] = {}
+
+
+def zeroed_scratch(name: str, device, n: int, dtype=None):
+    """At least n elements named `name`, zero between launches: the arrival counters (int32, the default) and
+    float32 sums of programs that share one result, the last to arrive reading them and putting them back to zero
+    (kernels/decode.py's merge in the split, kernels/lora.py's tile shrinks). Grown, never freed (a captured graph
+    keeps the one it was captured with); launches on one stream at a time share them."""
+    import torch
+    buffers = _ZEROED.setdefault((name, device), [])
+    if not buffers or buffers[-1].numel() < n:
+        buffers.append(torch.zeros(max(n, 4096), dtype=dtype or torch.int32, device=device))
+    return buffers[-1]
+
 # ---------------------------------------------------------------------------------------------------------
 # Prefill forward (kernels/prefill.py)
 # BLOCK_M = 128 suits Hopper wgmma; head_dim 256 needs fewer stages to fit shared memory. K/V read by TMA (the

@@ -33,6 +33,7 @@ from kernels.configs import (
     gdc_launch_dependents,
     gdc_wait,
     pdl_launch,
+    zeroed_scratch,
 )
 from kernels.elementwise import _summed, _zero_columns
 from kernels.lora import _shrink_chunk, _shrink_store, shrink_chunks_args
@@ -369,18 +370,6 @@ def decode_attention_shrinks(q, k_cache, v_cache, cache_seqlens, block_table, so
     return t
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n arrival counters of split programs (DECODE_MERGE_IN_SPLIT), zero between launches. Grown, never
-    freed (a captured graph keeps the one it was captured with); launches on one stream at a time share them."""
-    counters = _COUNTERS.setdefault(device, [])
-    if not counters or counters[-1].numel() < n:
-        counters.append(torch.zeros(max(n, 4096), dtype=torch.int32, device=device))
-    return counters[-1]
-
-
 def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softmax_scale, causal, num_splits,
             rope=None, merge_shrinks=None):
     """q and out [rows, seqlen_q, nheads, head_dim]: row b of sequence b, or row q_rows[b] when given. rope: (k, v,
@@ -405,7 +394,8 @@ def _launch(q, k_cache, v_cache, cache_seqlens, block_table, out, q_rows, softma
     varlen = q_rows is not None
     q_rows = q_rows if varlen else cache_seqlens  # never read unless varlen
     merge_in_split = configs.DECODE_MERGE_IN_SPLIT and num_splits > 1 and merge_shrinks is None
-    counters = _split_counters(q.device, batch * nheads_k) if merge_in_split else cache_seqlens
+    counters = zeroed_scratch("decode_split_counters", q.device, batch * nheads_k) if merge_in_split \
+        else cache_seqlens
     k_new, v_new, positions, cos_sin, slots, stride_split, rope_splits = rope or (q, q, q_rows, q, q_rows, 0, 0)
     _decode_split_kernel[(batch, nheads_k, num_splits)](
         q, k_cache, v_cache, cache_seqlens, block_table, q_rows, out, partial_out, partial_lse,
