@@ -40,10 +40,11 @@ from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch, zeroed_
 
 BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # Up to this many rows, the RMSNorm before a projection group computes the rows' shrinks for it (_shrink_chunk: a
-# launch less), as the attention's merge does o's (SHRINKS_IN_MERGE); each row reads its slot's A alone there. (H200,
-# Qwen2.5-0.5B shape, LoRA graphs of 256 rows captured both ways at feb929f, against 64: 8 adapters on all rows
-# 1.916 ms against 1.963, on 13 rows 1.652 against 1.805, 1 adapter 1.897 against 1.948; 64 rows unchanged.)
-ROW_SHRINK_MAX_ROWS = 256
+# launch less), as the attention's merge does o's (SHRINKS_IN_MERGE); each row reads its slot's A alone there. At
+# 256 (H200, 5be2526) LoRA graphs of 256 rows took 0.92-0.98x as long (8 adapters on 13 rows 1.659 ms against 1.809,
+# on all rows 1.920 against 1.959), but served with 5% of 64 streams' requests on adapters (lora.py --served, whose
+# steps of 65-256 rows are mixed ones: a prompt and the decodes) read 0.74x the base's tok/s, against 0.96x at 64.
+ROW_SHRINK_MAX_ROWS = 64
 # Past kernels.decode_linear.MAX_ROWS rows and up to this many, the GEMM of a projection group adds its rows' LoRA
 # updates, in the columns layout (module doc); 0 turns that off. Past ROW_SHRINK_MAX_ROWS no norm computes shrinks
 # and every group takes a lora_shrink launch (COLUMNS_SHRINK_LAUNCH), which reads each row's A alone. At 256 rows
