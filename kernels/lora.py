@@ -36,14 +36,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch, zeroed_scratch
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 
 BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # Up to this many rows, the RMSNorm before a projection group computes the rows' shrinks for it (_shrink_chunk: a
 # launch less), as the attention's merge does o's (SHRINKS_IN_MERGE); each row reads its slot's A alone there. At
 # 256 (H200, 5be2526) LoRA graphs of 256 rows took 0.92-0.98x as long (8 adapters on 13 rows 1.659 ms against 1.809,
 # on all rows 1.920 against 1.959), but served with 5% of 64 streams' requests on adapters (lora.py --served, whose
-# steps of 65-256 rows are mixed ones: a prompt and the decodes) read 0.74x the base's tok/s, against 0.96x at 64.
+# steps of 65-256 rows are mixed ones: a prompt and the decodes) that phase read 33,445 tok/s against 42,109 at 64
+# (fe35c41 and 9c378ed, one day; the phases without adapters 45,435 and 50,156).
 ROW_SHRINK_MAX_ROWS = 64
 # Past kernels.decode_linear.MAX_ROWS rows and up to this many, the GEMM of a projection group adds its rows' LoRA
 # updates, in the columns layout (module doc); 0 turns that off. Past ROW_SHRINK_MAX_ROWS no norm computes shrinks
@@ -69,11 +70,6 @@ UPDATE_IN_NORM_MAX_ROWS = 16
 # Qwen2.5-0.5B shape, LoRA graphs of batch 64 captured both ways: 3 adapter rows 1.244 ms against 1.267 with o's own
 # shrink launch, all rows on 8 adapters 1.300 against 1.306, 1 adapter 1.277 against 1.279 (benchmarks/lora.py).
 SHRINKS_IN_MERGE = True
-# From this many rows (0: never), lora_shrink's columns layout comes from tiles of one slot's rows that share each
-# read of their slot's A (_tile_columns_kernel) rather than a program per row reading it alone: 84 MB of A from L2
-# a layer at 256 rows over 8 adapters for the Qwen2.5-0.5B shape, and lora_shrink 820 us of a 2.03 ms LoRA graph
-# (H200, feb929f). Off until a GPU run times it: benchmarks/lora.py's variants tile_shrinks*.
-TILE_SHRINK_MIN_ROWS = 0
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v). 16384 read the same in LoRA graphs of 64 and 256 rows (H200, feb929f: within 1%).
@@ -405,9 +401,6 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
                 x = (x.float() * torch.sigmoid(x.float()) * up.float()).to(x.dtype)
             t[:, :k], t[:, k:] = x, 0
         return t
-    if columns and TILE_SHRINK_MIN_ROWS and rows >= TILE_SHRINK_MIN_ROWS:
-        _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, layout)
-        return t
     # Up to a tile of rows all of K is one block, each program a rank or a few, its A loads issued before the wait.
     # More rows share the launch better with K in blocks and several ranks a program. Up to 64 rows: blocks of 2048,
     # eight ranks, 8 warps (H200, bf16, 8 slots, rank 16, columns layout, 64 rows of which 3 or all on adapters:
@@ -429,104 +422,6 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
         RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=warps, **layout,
         **pdl_launch(x.device))
     return t
-
-
-@triton.jit
-def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, stride_up, stride_w, stride_t, ROWS, K,
-                         A0, A1, A2, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, PARTS: tl.constexpr,
-                         CHUNKS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         COPY_ROWS: tl.constexpr, COPY_K: tl.constexpr, SLOTS: tl.constexpr,
-                         SLOTS_PADDED: tl.constexpr, SHRINK_COLS_PADDED: tl.constexpr, SILU: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """lora_shrink's columns layout (T: [rows, K + PARTS * SLOTS * RANK]) from tiles of one slot's rows.
-    The first NUM_TILES * PARTS * CHUNKS programs (tile, p, c): the tile's rows times its slot's A of projection p
-    over K chunk c, one tl.dot whose A read the tile's rows share, added into float32 sums SUMS [rows, PARTS * RANK]
-    (a chunk per program: one program streaming down's 4864 of K alone took 26 us a launch at 0878105). The last
-    chunk of a (tile, p) to arrive scales and rounds the sums into the rows' p columns of every slot (zeros but
-    their own) and puts the sums and its counter in COUNTS back to zero. The others (a block of COPY_ROWS rows and
-    COPY_K of K): the input (SILU: silu(X) * UP) into T's first K columns, and in the first K block zeros into all
-    shrink columns of the rows of no slot (in no tile)."""
-    pid = tl.program_id(0)
-    if pid < NUM_TILES * PARTS * CHUNKS:
-        j, part, chunk = pid // (PARTS * CHUNKS), (pid // CHUNKS) % PARTS, pid % CHUNKS
-        tile = TILES + j * (BLOCK_M + 1)
-        slot = tl.load(tile)  # the tiles and the slots are written before the step: read before the wait
-        rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-        valid = rows >= 0
-        rows = tl.where(valid, rows, 0).to(tl.int64)
-        r = tl.arange(0, RANK)
-        k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
-        a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
-        a = tl.load(W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[None, :] * K + k[:, None],
-                    mask=k[:, None] < tl.where(slot >= 0, K, 0), other=0.0)
-        scale = tl.load(SCALES + tl.maximum(slot, 0))
-        if PDL:  # (the sums and counters are touched after the wait: the launch before has left them zero)
-            gdc_wait()
-            gdc_launch_dependents()
-        if slot >= 0:
-            x = _input_block(X, UP, rows[:, None], stride_x, stride_up, k[None, :], valid[:, None] & (k[None, :] < K),
-                             SILU)
-            sums = SUMS + rows[:, None] * (PARTS * RANK) + part * RANK + r[None, :]
-            tl.atomic_add(sums, tl.dot(x, a, input_precision=DOT_PRECISION), mask=valid[:, None], sem="relaxed")
-            # Every thread's sums are added before the count (a release at GPU scope); the last chunk to count
-            # acquires them all, reading past L1.
-            tl.debug_barrier()
-            counter = COUNTS + j * PARTS + part
-            if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
-                # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-                t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
-                s = tl.arange(0, SLOTS_PADDED)
-                at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
-                tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0)
-                         .to(T.dtype.element_ty), mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
-                tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
-                tl.store(counter, 0)
-    else:
-        block = pid - NUM_TILES * PARTS * CHUNKS
-        k_blocks = tl.cdiv(K, COPY_K)
-        copy_rows = (block // k_blocks) * COPY_ROWS + tl.arange(0, COPY_ROWS)
-        copy_k = (block % k_blocks) * COPY_K + tl.arange(0, COPY_K)
-        in_batch = copy_rows < ROWS
-        if PDL:
-            gdc_wait()
-            gdc_launch_dependents()
-        copy_rows = copy_rows.to(tl.int64)
-        inside = in_batch[:, None] & (copy_k[None, :] < K)
-        copied = _input_block(X, UP, copy_rows[:, None], stride_x, stride_up, copy_k[None, :], inside, SILU)
-        tl.store(T + copy_rows[:, None] * stride_t + copy_k[None, :], copied, mask=inside)
-        if block % k_blocks == 0:
-            # Which of the rows some tile lists: every tile's row list at once, compared with the block's rows.
-            entry = tl.arange(0, TILES_PADDED * BLOCK_M)
-            used = entry < NUM_TILES * BLOCK_M
-            listed = tl.load(TILES + (entry // BLOCK_M) * (BLOCK_M + 1) + 1 + entry % BLOCK_M, mask=used, other=-1)
-            slots = tl.load(TILES + (entry // BLOCK_M) * (BLOCK_M + 1), mask=used, other=-1)
-            listed = tl.where(slots >= 0, listed, -1)
-            no_slot = tl.sum((listed[None, :] == copy_rows[:, None]).to(tl.int32), 1) == 0
-            c = tl.arange(0, SHRINK_COLS_PADDED)
-            tl.store(T + copy_rows[:, None] * stride_t + K + c[None, :],
-                     tl.zeros((COPY_ROWS, SHRINK_COLS_PADDED), T.dtype.element_ty),
-                     mask=(in_batch & no_slot)[:, None] & (c[None, :] < PARTS * SLOTS * RANK))
-
-
-def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, layout) -> None:
-    """lora_shrink's columns layout from tiles of one slot's rows (TILE_SHRINK_MIN_ROWS, _tile_columns_kernel)."""
-    rows, k = x.shape
-    parts, copy_rows, copy_k = len(a_offsets), 16, 512
-    # K chunks of 128 up to K 1024 (seven programs a tile for q/k/v's 896), of 256 past it (19 for down's 4864)
-    block_k = min(128 if k <= 1024 else 256, max(16, triton.next_power_of_2(k)))
-    chunks = triton.cdiv(k, block_k)
-    sums = zeroed_scratch("lora_tile_sums", x.device, rows * parts * rank, torch.float32)
-    counts = zeroed_scratch("lora_tile_counts", x.device, num_tiles * parts, torch.int32)
-    offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
-    grid = num_tiles * parts * chunks + triton.cdiv(rows, copy_rows) * triton.cdiv(k, copy_k)
-    _tile_columns_kernel[(grid,)](
-        x, x if up is None else up, weights, scales, tiles, t, sums, counts, x.stride(0),
-        x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), rows, k, *offsets,
-        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), PARTS=parts, CHUNKS=chunks,
-        RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, COPY_ROWS=copy_rows, COPY_K=copy_k, SLOTS=layout["SLOTS"],
-        SLOTS_PADDED=layout["SLOTS_PADDED"],
-        SHRINK_COLS_PADDED=triton.next_power_of_2(parts * layout["SLOTS"] * rank), SILU=up is not None,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(x.device))
 
 
 def lora_add_(x: torch.Tensor, outputs: list[tuple[torch.Tensor, int, int]], weights: torch.Tensor,

@@ -6,7 +6,6 @@ CUDA graphs (decode, prefill and mixed steps), within bf16 tolerance."""
 import numpy as np
 import pytest
 import torch
-from test_decode import scratch_at_zero
 from test_engine import GREEDY, assert_no_leaks, make_llm
 from tiny_models import make_tiny_model
 
@@ -245,17 +244,10 @@ def test_the_decode_merge_computes_os_shrinks_beside_the_output(device, seqlens,
                                                       (17, 96, (48,), 1, False), (20, 1100, (32,), 2, False),
                                                       (23, 200, (96,), 4, True), (20, 2100, (32,), 2, True),
                                                       (70, 1100, (32,), 2, True)])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots, silu,
-                                                                            tiled, monkeypatch):
+def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots, silu):
     """lora_shrink(columns=True), as o and down take it past decode_linear's rows: x copied beside its shrinks,
     rows of no slot (a third of them) with zeros. silu: the input is silu(gate) * up of two column slices of one
-    tensor (down's, from the fused gate-up output), computed in the same launch. tiled: from tiles of one slot's
-    rows (kernels.lora.TILE_SHRINK_MIN_ROWS), several a slot past 16 rows, K in chunks whose sums the last to
-    arrive takes, leaving them and the counters at zero for the next launch (the dtypes' two in a row)."""
-    from kernels import lora
-
-    monkeypatch.setattr(lora, "TILE_SHRINK_MIN_ROWS", 1 if tiled else 0)
+    tensor (down's, from the fused gate-up output), computed in the same launch."""
     r = 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
         gen = torch.Generator().manual_seed(rows + k)
@@ -274,7 +266,6 @@ def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(devi
         if silu:  # within rounding of the reference (its sigmoid is not Triton's), and the shrinks of what it wrote
             torch.testing.assert_close(t[:, :k], silu_mul_ref(x.float(), up.float()).to(dtype), atol=tol, rtol=tol)
         assert_columns(t, t[:, :k] if silu else x, weights, scales, parts, row_slots, r, tol)
-        assert not tiled or scratch_at_zero("lora_tile_sums")
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
@@ -322,18 +313,16 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows,norm_rows,tile_rows", [(17, 64, 0), (64, 64, 0), (100, 64, 0), (100, 256, 0),
-                                                    (100, 64, 65), (40, 16, 17)])
+@pytest.mark.parametrize("rows,norm_rows", [(17, 64), (64, 64), (100, 64), (100, 256)])
 def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows,
-                                                                          tile_rows, monkeypatch):
+                                                                          monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
     in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
     (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
     evicted after the columns were laid out, the projections fused again after, and rows of no adapter. Past the
     norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink; with the norms'
-    bound at `norm_rows` 256 q/k/v and gate-up take them from their norm. tile_rows: lora_shrink's from tiles of one
-    slot's rows from that many rows (kernels.lora.TILE_SHRINK_MIN_ROWS)."""
+    bound at `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm."""
     from torch.nn import functional as F
 
     from kernels import lora
@@ -343,7 +332,6 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
 
     monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
     monkeypatch.setattr(lora, "ROW_SHRINK_MAX_ROWS", norm_rows)
-    monkeypatch.setattr(lora, "TILE_SHRINK_MIN_ROWS", tile_rows)
     normed = rows <= norm_rows
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
