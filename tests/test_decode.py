@@ -270,8 +270,13 @@ class RopeCase:
         return ref, k_ref, v_ref
 
     def check(self, out, ref, k_ref, v_ref):
-        assert (self.k_cache == k_ref).float().mean() > 0.999 and (self.v_cache == v_ref).all()
-        assert torch.allclose(self.k_cache.float(), k_ref.float(), atol=2e-3, rtol=2e-3)
+        # In float32 the rotation's products are not rounded apart, and the kernel may fuse them (an H200 run read
+        # 0.14% of K's values an ulp or so off with the merge in the split compiled in): float32 K within 1e-5
+        # instead of mostly equal.
+        half = self.dtype != torch.float32
+        assert (self.v_cache == v_ref).all() and (not half or (self.k_cache == k_ref).float().mean() > 0.999)
+        tol = 2e-3 if half else 1e-5
+        assert torch.allclose(self.k_cache.float(), k_ref.float(), atol=tol, rtol=tol)
         assert out.dtype == self.dtype and rel_err(out[:-1], ref[:-1]) < 1e-2
         assert scratch_at_zero(None)  # (with or without the merge in the split)
 
