@@ -31,7 +31,9 @@ projections, --lora-modules), and on it, one phase after another, 64 closed-loop
 (benchmarks/load_generator.py; serve.py's GPU workload: 128-token prompts, 256 new tokens) where 0%, 5% and 50% of
 requests name an adapter (drawn at random among the 8), then 0% again: tok/s, TTFT and ITL p50/p99 of each phase,
 its ratios to the mean of the two 0% phases (base_drift: the second over the first), and the issue's targets (5%:
-ITL p50 <= 1.15x and tok/s >= 0.9x; 50%: tok/s >= 0.75x).
+ITL p50 <= 1.15x and tok/s >= 0.9x; 50%: tok/s >= 0.75x). Each phase's `steps`: the engine's steps in its measuring
+window by how they ran (service/metrics.py's llm_engine_steps: decode or prefill graph, or eager, with adapters from
+slots or none), each kind's share and mean wall ms: where a phase's time went between kinds of step.
 
 Writes lora.json (the part run updates its key, "decode" or "served"; the other stays) and lora.png to --out.
 """
@@ -42,7 +44,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -215,17 +219,52 @@ def write_peft_adapters(model_dir: Path, out: Path, count: int, rank: int) -> li
     return modules
 
 
+def engine_steps(base_url: str) -> dict[str, list[float]]:
+    """The engine's steps so far and their summed seconds, by how the runner ran them ("kind/adapters": the labels
+    of llm_engine_steps, service/metrics.py), summed over engine cores."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    columns = {"llm_engine_steps_total": 0, "llm_engine_step_time_seconds_total": 1}
+    steps: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in columns:
+                totals = steps.setdefault(f"{sample.labels['kind']}/{sample.labels['adapters']}", [0.0, 0.0])
+                totals[columns[sample.name]] += sample.value
+    return steps
+
+
+def steps_between(before: dict, after: dict) -> dict:
+    """Per "kind/adapters" that ran between two engine_steps(): steps, their share of all, and mean ms."""
+    moved = {key: (after[key][0] - before.get(key, [0, 0])[0], after[key][1] - before.get(key, [0, 0])[1])
+             for key in after}
+    total = sum(n for n, _ in moved.values()) or 1
+    return {key: {"steps": int(n), "share": n / total, "mean_ms": 1e3 * seconds / n}
+            for key, (n, seconds) in sorted(moved.items()) if n > 0}
+
+
 def served_phase(server, words: list[str], n_words: int, names: list[str], share: float, cfg: dict,
                  seed: int) -> dict:
     """One phase: cfg's closed-loop streams on /generate_stream, each request naming one of `names` with
-    probability `share`; summarize()'s numbers, and TTFT/ITL of the requests that named one."""
+    probability `share`; summarize()'s numbers, TTFT/ITL of the requests that named one, and the engine's steps
+    in the measuring window by how they ran (their counts, from /metrics, about when the window opens and
+    closes)."""
     from benchmarks.load_generator import TGI, Level, Workload, run_level, summarize
 
     workload = Workload(server.base_url, TGI, words, n_words, cfg["new_tokens"], ignore_eos=True,
                         adapters=tuple(names), adapter_share=share)
+    marks: list[dict] = []
+    timers = [threading.Timer(at, lambda: marks.append(engine_steps(server.base_url)))
+              for at in (cfg["warmup"], cfg["warmup"] + cfg["seconds"])]
+    for timer in timers:
+        timer.start()
     level = run_level(workload, concurrency=cfg["streams"], processes=max(1, min(8, (os.cpu_count() or 2) // 2)),
                       warmup=cfg["warmup"], seconds=cfg["seconds"], drain=cfg["drain"], seed=seed)
-    row = {"adapter_share": share, **summarize(level)}
+    for timer in timers:
+        timer.join()
+    row = {"adapter_share": share, **summarize(level), "steps": steps_between(*marks) if len(marks) == 2 else {}}
     w0, w1 = level.window
     named = [r for r in level.records if r.adapter and w0 <= r.start < w1]
     row["adapter_requests"] = len(named)
@@ -235,6 +274,8 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
     print(f"served, {share:4.0%} naming adapters: {row['tok_per_s']:8.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:.0f} "
           f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.2f} p99 {row['itl_p99_ms']:.2f} ms  "
           f"{row['requests']} requests ({len(named)} named one)  {row['errors']} errors", flush=True)
+    print("  steps: " + ", ".join(f"{key} {s['share']:.0%} {s['mean_ms']:.2f} ms" for key, s in row["steps"].items()),
+          flush=True)
     return row
 
 

@@ -26,6 +26,10 @@ TOKEN_BUCKETS = tuple(float(2 ** i) for i in range(16))  # 1 .. 32768
 ENDPOINTS = ("generate", "generate_stream", "completions", "chat_completions", "responses")
 OUTCOMES = ("success", "validation_error", "aborted", "overloaded", "internal_error")
 FINETUNE_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+# How the model runner ran a step (indexed by service.engine.model_runner's DECODE_GRAPH, PREFILL_GRAPH, EAGER), and
+# whose LoRA adapters it served: none, from slots inside the graphs, or through the eager forward's hooks.
+STEP_KINDS = ("decode_graph", "prefill_graph", "eager")
+STEP_ADAPTERS = ("none", "slots", "hooks")
 CORE_GAUGE_MODE = "livemostrecent"  # one writer per `engine` label (that core); dropped when it dies
 
 # vLLM's buckets: a dashboard that sums `by (le)` over a fleet of vLLM and tritonserve replicas needs the same edges.
@@ -186,6 +190,15 @@ class EngineMetrics:
                 model_name, self.engine)
 
         self.step_time = histogram("llm_engine_step_seconds", "Duration of one engine step")
+        by_kind = ["engine", "kind", "adapters"]
+        self.steps = Counter("llm_engine_steps", "Engine steps by how the model runner ran them and whose LoRA "
+                             "adapters they served", by_kind, registry=r)
+        self.steps_seconds = Counter("llm_engine_step_time_seconds", "Duration of those engine steps, summed",
+                                     by_kind, registry=r)
+        for kind in STEP_KINDS:
+            for adapters in STEP_ADAPTERS:
+                self.steps.labels(self.engine, kind, adapters)
+                self.steps_seconds.labels(self.engine, kind, adapters)
         self.preemptions = counter("llm_preemptions", "Sequences preempted by the scheduler")
         self.prefix_queried = counter("llm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("llm_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
@@ -269,6 +282,8 @@ class EngineMetrics:
     def record_step(self, stats) -> None:
         """After every engine step (a service.engine.llm_engine.StepStats)."""
         self.step_time.observe(stats.step_seconds)
+        self.steps.labels(self.engine, stats.kind, stats.adapters).inc()
+        self.steps_seconds.labels(self.engine, stats.kind, stats.adapters).inc(stats.step_seconds)
         self.batch_size.set(stats.batch_size)
         self.preemptions.inc(stats.num_preemptions)
         self.vllm_preemptions.inc(stats.num_preemptions)

@@ -11,7 +11,7 @@ import pytest
 from server import scrape, serve, serve_in_process, sse_events
 
 from service.config import Settings
-from service.metrics import ENDPOINTS, FINETUNE_STATES, OUTCOMES
+from service.metrics import ENDPOINTS, FINETUNE_STATES, OUTCOMES, STEP_ADAPTERS, STEP_KINDS
 
 METRIC_NAMES = ["llm_time_to_first_token_seconds", "llm_inter_token_latency_seconds",
                 "llm_e2e_request_latency_seconds", "llm_queue_time_seconds", "llm_engine_step_seconds",
@@ -26,6 +26,12 @@ ENGINE_SERIES = {"llm_engine_step_seconds", "llm_preemptions_total", "llm_prefix
                  "llm_prefix_cache_hit_tokens_total", "llm_lora_adapter_reads_total", "llm_lora_slot_loads_total",
                  "llm_lora_slot_evictions_total", *GAUGES}  # labelled with the engine core's index
 CORE = (("engine", "0"),)
+
+
+def step_series(name: str, kind: str, adapters: str) -> tuple:
+    """The key of llm_engine_steps_total or llm_engine_step_time_seconds_total for steps of `kind` serving
+    `adapters`."""
+    return name, (("adapters", adapters), ("engine", "0"), ("kind", kind))
 
 
 # The default model's greedy continuation of this prompt runs to the 2000-token limit without EOS (a fortune
@@ -72,6 +78,10 @@ def test_all_series_exported_from_start(base_url):
             assert requests_total(m, endpoint, outcome) == 0
     for state in FINETUNE_STATES:
         assert m[("llm_finetune_jobs", (*CORE, ("state", state)))] == 0
+    for kind in STEP_KINDS:
+        for adapters in STEP_ADAPTERS:
+            for name in ("llm_engine_steps_total", "llm_engine_step_time_seconds_total"):
+                assert m[step_series(name, kind, adapters)] == 0, (name, kind, adapters)
     assert m[("llm_gpu_memory_total_bytes", CORE)] == 0  # CPU
 
 
@@ -91,6 +101,14 @@ def test_metrics_move_with_a_request(base_url):
                         ("llm_request_generation_tokens", 1)]:
         assert delta(f"{name}_count") == count, name
     assert delta("llm_engine_step_seconds_count", CORE) >= 5
+    # Every step of it ran eagerly (the CPU has no graphs) with no adapter, and is counted once with its duration
+    steps = {(kind, adapters): after[step_series("llm_engine_steps_total", kind, adapters)]
+             - before[step_series("llm_engine_steps_total", kind, adapters)]
+             for kind in STEP_KINDS for adapters in STEP_ADAPTERS}
+    assert steps[("eager", "none")] == delta("llm_engine_step_seconds_count", CORE)
+    assert sum(steps.values()) == steps[("eager", "none")]
+    seconds = step_series("llm_engine_step_time_seconds_total", "eager", "none")
+    assert abs(after[seconds] - before[seconds] - delta("llm_engine_step_seconds_sum", CORE)) < 1e-6
     assert delta("llm_prefix_cache_queried_tokens_total", CORE) > 0
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASE_KEYS = {"adapter_share", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests",
-              "errors", "adapter_requests", "tok_per_s_x", "ttft_p50_x", "ttft_p99_x", "itl_p50_x", "itl_p99_x"}
+              "errors", "adapter_requests", "tok_per_s_x", "ttft_p50_x", "ttft_p99_x", "itl_p50_x", "itl_p99_x",
+              "steps"}
 
 
 def test_served_lora_phases_on_the_cpu(tmp_path):
@@ -32,4 +33,10 @@ def test_served_lora_phases_on_the_cpu(tmp_path):
     # Half the requests named an adapter, and they streamed (an unknown adapter would be a 422, an error).
     assert phases[2]["adapter_requests"] >= phases[2]["requests"] / 4 and phases[2]["named_adapter"]["itl_p50_ms"] > 0
     assert [t["adapter_share"] for t in served["issue_targets"]] == [0.05, 0.5]
+    # The steps in each window by how they ran: on the CPU all eager, from slots where a request named an adapter
+    for phase in phases:
+        steps = phase["steps"]
+        assert steps and {key.split("/")[0] for key in steps} == {"eager"}, steps
+        assert abs(sum(s["share"] for s in steps.values()) - 1) < 1e-9 and all(s["mean_ms"] > 0 for s in steps.values())
+    assert "eager/slots" in phases[2]["steps"] and "eager/slots" not in phases[0]["steps"]
     assert (tmp_path / "lora.png").stat().st_size > 0

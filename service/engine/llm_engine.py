@@ -87,6 +87,8 @@ class StepStats:
     num_preemptions: int  # in this step
     prefix_queried_tokens: int  # in this step
     prefix_hit_tokens: int
+    kind: str = "eager"  # how the runner ran the step launched: service.engine.model_runner.STEP_KINDS
+    adapters: str = "none"  # whose LoRA adapters it served: none, slots (in the graphs) or hooks (eager)
 
 
 @dataclass
@@ -459,13 +461,14 @@ class LLMEngine:
                 outputs += self._complete()
         if not batch.seqs:
             return outputs, None
+        kind, adapters = self.runner.last_step
         return outputs, StepStats(
             step_seconds=time.perf_counter() - start, batch_size=len(batch.seqs),
             num_prefill_tokens=batch.num_prefill_tokens,
             num_decode_tokens=sum(batch.num_tokens) - batch.num_prefill_tokens,
             num_running=self.num_running, num_waiting=self.num_waiting, kv_usage=self.kv_usage,
             num_preemptions=batch.num_preemptions, prefix_queried_tokens=batch.prefix_queried_tokens,
-            prefix_hit_tokens=batch.prefix_hit_tokens)
+            prefix_hit_tokens=batch.prefix_hit_tokens, kind=kind, adapters=adapters)
 
     def _launch(self, batch: ScheduledBatch, outputs: list[RequestOutput]) -> _InFlight | None:
         """Launches the batch's forward pass and sampling; completes the step in flight first when a sampled row

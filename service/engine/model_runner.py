@@ -40,6 +40,7 @@ from service.config import Settings
 from service.engine.sampler import greedy
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
+from service.metrics import STEP_ADAPTERS, STEP_KINDS
 from service.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ PREFILL_GRAPH_TOKENS = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3
 PREFILL_GRAPH_SEQS = [1, 4, 16, 64, 256, 1024]  # coarse: a padding sequence costs only programs that return
 NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64}
 DECODE_COLUMNS = 8  # of a decode step's per-sequence int32 row (6 used, 32 bytes), see _decode_rows
-DECODE_GRAPH, PREFILL_GRAPH, EAGER = 0, 1, 2
+DECODE_GRAPH, PREFILL_GRAPH, EAGER = 0, 1, 2  # (service.metrics.STEP_KINDS names them in this order)
 
 
 @dataclass
@@ -112,6 +113,7 @@ class ModelRunner:
         self.lora_graph_logits: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.lora_prefill_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.lora_prefill_hidden: dict[tuple[int, int], torch.Tensor] = {}
+        self.last_step = ("eager", "none")  # how the last step ran, and whose adapters (service.metrics' names)
 
     # -- inputs ------------------------------------------------------------------------------------------
     def _tensor(self, data, dtype):
@@ -240,6 +242,7 @@ class ModelRunner:
         chunk reaches their last token, those sequences' indices in the batch, and, from a decode graph, each
         row's argmax and its logprob (else None). Tensor-parallel workers run the same step from its plan."""
         plan, sample_index = self.plan(batch, pending)
+        self.last_step = STEP_KINDS[plan.kind], STEP_ADAPTERS[2 if plan.adapters else int(plan.lora)]
         if self.workers is not None:
             self.workers.send(plan)
         logits, greedy = self.execute(plan, pending)
