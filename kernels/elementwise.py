@@ -7,7 +7,15 @@ import triton
 import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
-from kernels.lora import _shrink_chunk, _shrink_store, _store_columns, _update_pair, _with_update, shrink_chunks_args
+from kernels.lora import (
+    _shrink_chunk,
+    _shrink_store,
+    _store_columns,
+    _update_pair,
+    _with_update,
+    shrink_chunks_args,
+    tiled_shrinks_after_norm,
+)
 
 
 @triton.jit
@@ -75,11 +83,12 @@ def _rms_norm(x, weight, eps, shrinks, columns=False):
     rows = x.reshape(-1, dim)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    out, t, chunks, lora = shrink_chunks_args(rows, shrinks, columns)
+    out, t, chunks, lora = shrink_chunks_args(rows, shrinks, columns, tiled=True)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
                                                   BLOCK=triton.next_power_of_2(dim),
                                                   num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
+    tiled_shrinks_after_norm(t, dim, shrinks, columns)
     return (out if columns else out.view(x.shape)), t
 
 
@@ -165,7 +174,9 @@ def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False
     if update is not None and (shrinks is None or u.shape[0] != rows or u.stride(1) != 1):
         raise ValueError(f"an update needs shrinks and its input [{rows}, K] with unit column stride, got "
                          f"{tuple(u.shape)}")
-    out, t, chunks, lora = shrink_chunks_args(residual, shrinks, columns)
+    out, t, chunks, lora = shrink_chunks_args(residual, shrinks, columns, tiled=True)
+    if update is not None and not lora["SHRINKS"]:
+        raise ValueError("an update is added by a norm that computes the shrinks itself, not by tiles after it")
     if rows:
         # An update's A and B take 16K values each at rank 16 and K 896: eight warps hold them without spilling.
         _add_rms_norm_kernel[(rows, chunks)](
@@ -174,6 +185,7 @@ def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False
             U_A=u_a, U_B=u_b, SPLITS=splits, BLOCK=triton.next_power_of_2(dim), UPDATE=update is not None,
             BLOCK_U=triton.next_power_of_2(u.shape[1]) if update is not None else 16,
             num_warps=4 if dim <= 4096 and update is None else 8, **pdl_launch(x.device))
+    tiled_shrinks_after_norm(t, dim, shrinks, columns)
     return out, t
 
 
@@ -259,25 +271,28 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
 
 
 @triton.jit
-def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
     gate = tl.load(gate_ptr + row * stride_gate + offs, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * n + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + row * stride_out + offs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up, elementwise, for tensors of one shape [..., n] whose rows may be column slices of wider ones
-    (the two halves of the fused gate-up projection's output)."""
+    (the two halves of the fused gate-up projection's output). out: where to write it, [rows, n] with unit column
+    stride (a column slice of a wider tensor: kernels.lora's columns layout)."""
     shape, n = gate.shape, gate.shape[-1]
     gate, up = gate.reshape(-1, n), up.reshape(-1, n)
     if gate.stride(-1) != 1 or up.stride(-1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if out is not None and (out.shape != gate.shape or out.stride(1) != 1):
+        raise ValueError(f"out must be [{gate.shape[0]}, {n}] with unit column stride, got {tuple(out.shape)}")
+    result = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if out is None else out
     block = 1024
-    if out.numel():
-        _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, out, gate.stride(0), up.stride(0), n,
-                                                                 BLOCK=block)
-    return out.view(shape)
+    if result.numel():
+        _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, result, gate.stride(0), up.stride(0),
+                                                                 result.stride(0), n, BLOCK=block)
+    return result.view(shape) if out is None else out

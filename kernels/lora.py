@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch, zeroed_scratch
 
 BLOCK_M = 16  # rows per tile: tl.dot's smallest
 # Up to this many rows, the RMSNorm before a projection group computes the rows' shrinks for it (_shrink_chunk: a
@@ -70,6 +70,15 @@ UPDATE_IN_NORM_MAX_ROWS = 16
 # Qwen2.5-0.5B shape, LoRA graphs of batch 64 captured both ways: 3 adapter rows 1.244 ms against 1.267 with o's own
 # shrink launch, all rows on 8 adapters 1.300 against 1.306, 1 adapter 1.277 against 1.279 (benchmarks/lora.py).
 SHRINKS_IN_MERGE = True
+# From this many rows (0: never), the columns layout's shrinks that neither a norm nor the merge computes come from
+# tiles of one slot's rows that share each read of their slot's A (_tile_columns_kernel; per row, a program reads its
+# slot's A alone: 84 MB from L2 a layer at 256 rows over 8 adapters for the Qwen2.5-0.5B shape). q/k/v's and gate-up's
+# norms and down's SwiGLU gate then write their result into the columns tensor and a launch after each adds the
+# shrinks (columns_shrinks_); o's lora_shrink copies its input as it goes. Off until a GPU run times it in the
+# graphs (benchmarks/lora.py's variants tile_shrinks*). Swept alone at 256 rows on 8 adapters (H200, 5be2526, us a
+# launch): the tiles' programs 3.1 for q/k/v and 4.5 for down's input written before, against lora_shrink's 7.3 and
+# 10.7 (with the SwiGLU, 2.3 of it in a launch of its own).
+TILE_SHRINK_MIN_ROWS = 0
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v). 16384 read the same in LoRA graphs of 64 and 256 rows (H200, feb929f: within 1%).
@@ -91,6 +100,11 @@ def used_tiles(tiles: torch.Tensor, rows: int, slots: int) -> int:
     """How many of the first tiles a step of `rows` rows over `slots` slots can use (lora_tiles puts them first):
     each holds one row at least; up to BLOCK_M rows a slot's rows are one tile."""
     return min(tiles.shape[0], rows, slots if rows <= BLOCK_M else max_tiles(rows, slots))
+
+
+def tiled_columns(rows: int) -> bool:
+    """Whether a step of `rows` rows takes the columns layout's shrinks from tiles (TILE_SHRINK_MIN_ROWS)."""
+    return bool(TILE_SHRINK_MIN_ROWS) and rows >= TILE_SHRINK_MIN_ROWS
 
 
 def lora_tiles(row_slots: np.ndarray, num_tiles: int) -> np.ndarray:
@@ -292,22 +306,24 @@ def _shrinks_tensor(like: torch.Tensor, projections: int, weights: torch.Tensor,
     return t, (t[:, k:] if columns else t), dict(SLOTS=slots, SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)))
 
 
-def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
-                       columns: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int, dict]:
+def shrink_chunks_args(like: torch.Tensor, lora: tuple | None, columns: bool = False,
+                       tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, int, dict]:
     """The launch of a kernel whose programs (row, chunk) normalize rows [rows, K] like `like` into a new tensor and
     run _shrink_chunk on them: (that tensor, T, chunks per row, its arguments) for lora = (slot weights, scales,
     tiles, rank, A offsets of the group's projections), or (the tensor, None, 1, arguments that turn it off).
     columns: the columns layout (module doc): T is [rows, K + projections * slots * rank], its first K columns the
-    normalized rows (the tensor returned first is that view of it), the others the shrinks."""
+    normalized rows (the tensor returned first is that view of it), the others the shrinks. tiled: a caller that
+    runs tiled_shrinks_after_norm after its launch, which then adds the shrinks where they come from tiles
+    (tiled_columns): the kernel only writes its rows into T."""
     rows, k = like.shape
     if lora is None:
         out = torch.empty_like(like)
-        return out, None, 1, dict(LW=out, stride_lw=0, SCALES=out, TILES=out, T=out, stride_t=0, A0=0, A1=0, A2=0,
-                                  SHRINKS=False, NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16,
-                                  RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
+        return out, None, 1, _no_shrinks(out)
     weights, scales, tiles, rank, a_offsets = lora
     t, shrinks, layout = _shrinks_tensor(like, len(a_offsets), weights, rank, columns)
     out = t[:, :k] if columns else torch.empty_like(like)
+    if columns and tiled and tiled_columns(rows):
+        return out, t, 1, _no_shrinks(out)
     num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
     rank_chunk = max(1, min(rank, SHRINK_CHUNK_ELEMENTS // triton.next_power_of_2(k)))
@@ -316,6 +332,21 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None,
         A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
         TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk,
         **layout)
+
+
+def _no_shrinks(out: torch.Tensor) -> dict:
+    """shrink_chunks_args' arguments of a norm that computes no shrinks."""
+    return dict(LW=out, stride_lw=0, SCALES=out, TILES=out, T=out, stride_t=0, A0=0, A1=0, A2=0, SHRINKS=False,
+                NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
+
+
+def tiled_shrinks_after_norm(t: torch.Tensor | None, k: int, lora: tuple | None, columns: bool) -> None:
+    """After a norm launched with shrink_chunks_args(like, lora, columns, tiled=True): where those left the shrinks
+    to tiles (the columns layout, tiled_columns), t's shrink columns (columns_shrinks_)."""
+    if lora is not None and columns and tiled_columns(t.shape[0]):
+        weights, scales, tiles, rank, a_offsets = lora
+        columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets,
+                         used_tiles(tiles, t.shape[0], weights.shape[0]))
 
 
 @triton.jit
@@ -401,6 +432,9 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
                 x = (x.float() * torch.sigmoid(x.float()) * up.float()).to(x.dtype)
             t[:, :k], t[:, k:] = x, 0
         return t
+    if columns and tiled_columns(rows):
+        _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, copy=True)
+        return t
     # Up to a tile of rows all of K is one block, each program a rank or a few, its A loads issued before the wait.
     # More rows share the launch better with K in blocks and several ranks a program. Up to 64 rows: blocks of 2048,
     # eight ranks, 8 warps (H200, bf16, 8 slots, rank 16, columns layout, 64 rows of which 3 or all on adapters:
@@ -421,6 +455,120 @@ def lora_shrink(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, ti
         NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), RANK=rank,
         RANK_BLOCK=rank_block, BLOCK_M=BLOCK_M, BLOCK_K=block_k, SILU=up is not None, num_warps=warps, **layout,
         **pdl_launch(x.device))
+    return t
+
+
+@triton.jit
+def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, stride_up, stride_w, stride_t, ROWS, K,
+                         A0, A1, A2, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, PARTS: tl.constexpr,
+                         CHUNKS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         COPY_ROWS: tl.constexpr, COPY_K: tl.constexpr, SLOTS: tl.constexpr,
+                         SLOTS_PADDED: tl.constexpr, SHRINK_COLS_PADDED: tl.constexpr, COPY: tl.constexpr,
+                         SILU: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """lora_shrink's columns layout (T: [rows, K + PARTS * SLOTS * RANK]) from tiles of one slot's rows.
+    The first NUM_TILES * PARTS * CHUNKS programs (tile, p, c): the tile's rows times its slot's A of projection p
+    over K chunk c, one tl.dot whose A read the tile's rows share, added into float32 sums SUMS [rows, PARTS * RANK]
+    (a chunk per program: one program streaming down's 4864 of K alone took 26 us a launch at 0878105). The last
+    chunk of a (tile, p) to arrive scales and rounds the sums into the rows' p columns of every slot (zeros but
+    their own) and puts the sums and its counter in COUNTS back to zero. The others (a block of COPY_ROWS rows and
+    COPY_K of K): COPY, the input (SILU: silu(X) * UP) into T's first K columns (else X is those columns, written by
+    the launch before); in the first K block, zeros into all shrink columns of the rows of no slot (in no tile)."""
+    pid = tl.program_id(0)
+    if pid < NUM_TILES * PARTS * CHUNKS:
+        j, part, chunk = pid // (PARTS * CHUNKS), (pid // CHUNKS) % PARTS, pid % CHUNKS
+        tile = TILES + j * (BLOCK_M + 1)
+        slot = tl.load(tile)  # the tiles and the slots are written before the step: read before the wait
+        rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
+        valid = rows >= 0
+        rows = tl.where(valid, rows, 0).to(tl.int64)
+        r = tl.arange(0, RANK)
+        k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
+        a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
+        a = tl.load(W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[None, :] * K + k[:, None],
+                    mask=k[:, None] < tl.where(slot >= 0, K, 0), other=0.0)
+        scale = tl.load(SCALES + tl.maximum(slot, 0))
+        if PDL:  # (the sums and counters are touched after the wait: the launch before has left them zero)
+            gdc_wait()
+            gdc_launch_dependents()
+        if slot >= 0:
+            x = _input_block(X, UP, rows[:, None], stride_x, stride_up, k[None, :], valid[:, None] & (k[None, :] < K),
+                             SILU)
+            sums = SUMS + rows[:, None] * (PARTS * RANK) + part * RANK + r[None, :]
+            tl.atomic_add(sums, tl.dot(x, a, input_precision=DOT_PRECISION), mask=valid[:, None], sem="relaxed")
+            # Every thread's sums are added before the count (a release at GPU scope); the last chunk to count
+            # acquires them all, reading past L1.
+            tl.debug_barrier()
+            counter = COUNTS + j * PARTS + part
+            if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
+                # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
+                t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
+                s = tl.arange(0, SLOTS_PADDED)
+                at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
+                tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0)
+                         .to(T.dtype.element_ty), mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+                tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
+                tl.store(counter, 0)
+    else:
+        block = pid - NUM_TILES * PARTS * CHUNKS
+        k_blocks = tl.cdiv(K, COPY_K)
+        copy_rows = (block // k_blocks) * COPY_ROWS + tl.arange(0, COPY_ROWS)
+        copy_k = (block % k_blocks) * COPY_K + tl.arange(0, COPY_K)
+        in_batch = copy_rows < ROWS
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        copy_rows = copy_rows.to(tl.int64)
+        if COPY:
+            inside = in_batch[:, None] & (copy_k[None, :] < K)
+            copied = _input_block(X, UP, copy_rows[:, None], stride_x, stride_up, copy_k[None, :], inside, SILU)
+            tl.store(T + copy_rows[:, None] * stride_t + copy_k[None, :], copied, mask=inside)
+        if block % k_blocks == 0:
+            # Which of the rows some tile lists: every tile's row list at once, compared with the block's rows.
+            entry = tl.arange(0, TILES_PADDED * BLOCK_M)
+            used = entry < NUM_TILES * BLOCK_M
+            listed = tl.load(TILES + (entry // BLOCK_M) * (BLOCK_M + 1) + 1 + entry % BLOCK_M, mask=used, other=-1)
+            slots = tl.load(TILES + (entry // BLOCK_M) * (BLOCK_M + 1), mask=used, other=-1)
+            listed = tl.where(slots >= 0, listed, -1)
+            no_slot = tl.sum((listed[None, :] == copy_rows[:, None]).to(tl.int32), 1) == 0
+            c = tl.arange(0, SHRINK_COLS_PADDED)
+            tl.store(T + copy_rows[:, None] * stride_t + K + c[None, :],
+                     tl.zeros((COPY_ROWS, SHRINK_COLS_PADDED), T.dtype.element_ty),
+                     mask=(in_batch & no_slot)[:, None] & (c[None, :] < PARTS * SLOTS * RANK))
+
+
+def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, copy: bool) -> None:
+    """The columns layout's shrinks of t from tiles of one slot's rows (_tile_columns_kernel); copy: x (silu(x) * up
+    with up) copied into t's first columns too, else x is those columns already."""
+    rows, k = x.shape
+    parts, copy_rows = len(a_offsets), 16
+    # One K block a copy program without the copy: its rows' zeros only. K chunks of 256 (4 programs a tile for
+    # q/k/v's 896, 19 for down's 4864: the fewest of a 24-shape sweep within 0.1 us of the best, H200, 5be2526).
+    copy_k = 512 if copy else triton.next_power_of_2(k)
+    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    chunks = triton.cdiv(k, block_k)
+    sums = zeroed_scratch("lora_tile_sums", x.device, rows * parts * rank, torch.float32)
+    counts = zeroed_scratch("lora_tile_counts", x.device, num_tiles * parts, torch.int32)
+    offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
+    slots = weights.shape[0]
+    grid = num_tiles * parts * chunks + triton.cdiv(rows, copy_rows) * triton.cdiv(k, copy_k)
+    _tile_columns_kernel[(grid,)](
+        x, x if up is None else up, weights, scales, tiles, t, sums, counts, x.stride(0),
+        x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), rows, k, *offsets,
+        NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), PARTS=parts, CHUNKS=chunks,
+        RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, COPY_ROWS=copy_rows, COPY_K=copy_k, SLOTS=slots,
+        SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)),
+        SHRINK_COLS_PADDED=triton.next_power_of_2(parts * slots * rank), COPY=copy, SILU=up is not None,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(x.device))
+
+
+def columns_shrinks_(t: torch.Tensor, k: int, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor,
+                     rank: int, a_offsets: list[int], num_tiles: int) -> torch.Tensor:
+    """t = [x | shrinks] in the columns layout, x (its first k columns) written by the launch before (a norm, the
+    SwiGLU gate): its shrink columns, in place, from tiles of one slot's rows (TILE_SHRINK_MIN_ROWS). Returns t."""
+    if t.shape[0] and num_tiles:
+        _tile_columns(t[:, :k], None, weights, scales, tiles, rank, a_offsets, num_tiles, t, copy=False)
+    else:
+        t[:, k:] = 0
     return t
 
 

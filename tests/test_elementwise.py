@@ -80,6 +80,17 @@ def test_silu_mul_reads_the_halves_of_a_fused_projection(device):
     assert rel_err(silu_mul(gate, up), silu_mul_ref(gate, up)) < 1e-5
 
 
+def test_silu_mul_writes_into_the_first_columns_of_a_wider_tensor(device):
+    """out: the first columns of kernels.lora's columns layout; the columns past them are left as they were."""
+    gate_up = torch.randn(5, 2 * 1000, device=device) * 3
+    wide = torch.full((5, 1000 + 48), 7.0, device=device)
+    assert silu_mul(gate_up[:, :1000], gate_up[:, 1000:], out=wide[:, :1000]).data_ptr() == wide.data_ptr()
+    assert rel_err(wide[:, :1000], silu_mul_ref(gate_up[:, :1000], gate_up[:, 1000:])) < 1e-5
+    assert (wide[:, 1000:] == 7).all()
+    with pytest.raises(ValueError, match="unit column stride"):
+        silu_mul(gate_up[:, :1000], gate_up[:, 1000:], out=wide[:, :1000].t().contiguous().t())
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(37, 896), (1, 80)])
 def test_add_rms_norm_matches_add_then_eager_norm(device, dtype, shape):

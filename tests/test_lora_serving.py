@@ -6,6 +6,7 @@ CUDA graphs (decode, prefill and mixed steps), within bf16 tolerance."""
 import numpy as np
 import pytest
 import torch
+from test_decode import scratch_at_zero
 from test_engine import GREEDY, assert_no_leaks, make_llm
 from tiny_models import make_tiny_model
 
@@ -244,10 +245,18 @@ def test_the_decode_merge_computes_os_shrinks_beside_the_output(device, seqlens,
                                                       (17, 96, (48,), 1, False), (20, 1100, (32,), 2, False),
                                                       (23, 200, (96,), 4, True), (20, 2100, (32,), 2, True),
                                                       (70, 1100, (32,), 2, True)])
-def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots, silu):
+@pytest.mark.parametrize("tiled", [False, True])
+def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(device, rows, k, widths, slots, silu,
+                                                                            tiled, monkeypatch):
     """lora_shrink(columns=True), as o and down take it past decode_linear's rows: x copied beside its shrinks,
     rows of no slot (a third of them) with zeros. silu: the input is silu(gate) * up of two column slices of one
-    tensor (down's, from the fused gate-up output), computed in the same launch."""
+    tensor (down's, from the fused gate-up output), computed in the same launch. tiled: from tiles of one slot's
+    rows (kernels.lora.TILE_SHRINK_MIN_ROWS), several a slot past 16 rows, K in chunks whose sums the last to
+    arrive takes, leaving them and the counters at zero for the next launch (the dtypes' two in a row); and
+    columns_shrinks_, the same shrinks into a tensor whose first K columns hold the input already (NaN elsewhere)."""
+    from kernels import lora
+
+    monkeypatch.setattr(lora, "TILE_SHRINK_MIN_ROWS", 1 if tiled else 0)
     r = 16
     for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
         gen = torch.Generator().manual_seed(rows + k)
@@ -266,6 +275,13 @@ def test_lora_shrink_writes_the_input_and_its_shrinks_in_the_columns_layout(devi
         if silu:  # within rounding of the reference (its sigmoid is not Triton's), and the shrinks of what it wrote
             torch.testing.assert_close(t[:, :k], silu_mul_ref(x.float(), up.float()).to(dtype), atol=tol, rtol=tol)
         assert_columns(t, t[:, :k] if silu else x, weights, scales, parts, row_slots, r, tol)
+        if tiled:
+            assert scratch_at_zero("lora_tile_sums")
+            given = torch.full_like(t, float("nan"))
+            given[:, :k] = t[:, :k]
+            lora.columns_shrinks_(given, k, weights, scales, tiles, r, [a for _, a, _ in parts],
+                                  max_tiles(rows, slots))
+            assert_columns(given, t[:, :k], weights, scales, parts, row_slots, r, tol)
 
 
 # -- the scheduler ---------------------------------------------------------------------------------------------------
@@ -313,16 +329,19 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows,norm_rows", [(17, 64), (64, 64), (100, 64), (100, 256)])
+@pytest.mark.parametrize("rows,norm_rows,tile_rows", [(17, 64, 0), (64, 64, 0), (100, 64, 0), (100, 256, 0),
+                                                    (100, 64, 65), (40, 16, 17)])
 def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows,
-                                                                          monkeypatch):
+                                                                          tile_rows, monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
     in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
     (shrinks from their norm) and o and down (from lora_shrink), with an adapter loaded into the slot of one
     evicted after the columns were laid out, the projections fused again after, and rows of no adapter. Past the
     norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink; with the norms'
-    bound at `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm."""
+    bound at `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm. From
+    `tile_rows` rows (kernels.lora.TILE_SHRINK_MIN_ROWS) past the norms' bound: the norms and the SwiGLU gate write
+    into the columns and a launch after each adds the shrinks from tiles; o's lora_shrink takes them from tiles."""
     from torch.nn import functional as F
 
     from kernels import lora
@@ -332,7 +351,8 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
 
     monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
     monkeypatch.setattr(lora, "ROW_SHRINK_MAX_ROWS", norm_rows)
-    normed = rows <= norm_rows
+    monkeypatch.setattr(lora, "TILE_SHRINK_MIN_ROWS", tile_rows)
+    normed = rows <= norm_rows or 0 < tile_rows <= rows
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)
     model = load_model(model_dir, dtype, device)

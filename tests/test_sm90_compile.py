@@ -96,21 +96,29 @@ def decode_linear_launched(rows: int, silu_mul: bool, partials: bool, tiles: int
         x, weight, silu_mul=silu_mul, partials=partials, lora=lora if tiles else None), PDL=True)
 
 
-def shrink_launched(rows: int, k: int, parts: int, columns: bool = False, silu: bool = False) -> str:
+def shrink_launched(rows: int, k: int, parts: int, columns: bool = False, silu: bool = False,
+                    kernel: str = "_shrink_kernel") -> str:
     """kernels.lora.lora_shrink of `rows` bf16 rows, K = k, for `parts` projections of rank 16 over 8 slots (in the
-    columns layout where `columns`; of silu(gate) * up, slices of one gate-up tensor, where `silu`)."""
+    columns layout where `columns`; of silu(gate) * up, slices of one gate-up tensor, where `silu`); kernel
+    _tile_columns_kernel: from tiles (kernels.lora.TILE_SHRINK_MIN_ROWS), its input copied; "columns_shrinks_":
+    that kernel with the input in the columns already."""
     import numpy as np
     import torch
 
     import kernels.lora as module
 
+    module.TILE_SHRINK_MIN_ROWS = 0 if kernel == "_shrink_kernel" else 1
     gate_up = torch.randn(rows, 2 * k, dtype=torch.bfloat16)
     x, up = gate_up[:, :k], gate_up[:, k:] if silu else None
     weights, scales = torch.zeros(8, 16 * 2 * k * parts, dtype=torch.bfloat16), torch.ones(8)
     tiles = torch.from_numpy(module.lora_tiles(np.arange(rows) % 8, module.max_tiles(rows, 8)))
-    return launched_ptx(module, "_shrink_kernel", lambda: module.lora_shrink(
-        x, weights, scales, tiles, 16, [16 * 2 * k * p for p in range(parts)], min(rows, 8), columns, up=up),
-        PDL=True)
+    offsets, num_tiles = [16 * 2 * k * p for p in range(parts)], min(rows, 8)
+    if kernel == "columns_shrinks_":
+        t = torch.empty(rows, k + parts * 8 * 16, dtype=torch.bfloat16)
+        return launched_ptx(module, "_tile_columns_kernel", lambda: module.columns_shrinks_(
+            t, k, weights, scales, tiles, 16, offsets, num_tiles), PDL=True)
+    return launched_ptx(module, kernel, lambda: module.lora_shrink(
+        x, weights, scales, tiles, 16, offsets, num_tiles, columns, up=up), PDL=True)
 
 
 def decode_split_ptx(rope: bool, merge: bool) -> str:
@@ -200,12 +208,14 @@ NORMS = [(False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (Tr
          (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
          (True, 64, 896, 2, True, True)]
 MERGE_SHRINKS = [17, 64]
+TILE_SHRINKS = [(256, 4864, 1, True, True, "_tile_columns_kernel"), (256, 896, 1, True, False, "_tile_columns_kernel"),
+                (256, 4864, 1, True, False, "columns_shrinks_"), (100, 896, 3, True, False, "columns_shrinks_")]
 LORA_KERNELS = ["_tile_shrink_kernel", "_expand_kernel"]
 
 
 def planned() -> list[tuple[str, list]]:
     return ([("decode_linear_launched", [*case]) for case in DECODE_LINEAR]
-            + [("shrink_launched", [*case]) for case in SHRINKS]
+            + [("shrink_launched", [*case]) for case in SHRINKS + TILE_SHRINKS]
             + [("norm_launched", [*case]) for case in NORMS]
             + [("merge_shrinks_launched", [rows]) for rows in MERGE_SHRINKS]
             + [("decode_split", [rope, merge]) for rope in (False, True) for merge in (False, True)]
@@ -255,6 +265,16 @@ def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, si
     ptx = compiled("shrink_launched", rows, k, parts, columns, silu)
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:]
+
+
+@pytest.mark.parametrize("rows,k,parts,columns,silu,kernel", TILE_SHRINKS)
+def test_lora_tile_shrink_reads_a_before_the_wait_and_counts_its_chunks_in(rows, k, parts, columns, silu, kernel):
+    """kernels.lora's columns from tiles: a program's chunk of A before the wait, the rows after it; its sums added
+    and its chunk counted in with atomics at GPU scope (the count acquiring the others' sums), no local memory."""
+    ptx = compiled("shrink_launched", rows, k, parts, columns, silu, kernel)
+    wait = ptx.index("griddepcontrol.wait")
+    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "ld.local" not in ptx
+    assert "atom.global.gpu.relaxed.add.v2.f32" in ptx and "atom.global.gpu.acq_rel.add.u32" in ptx and "mma" in ptx
 
 
 @pytest.mark.parametrize("add,rows,k,parts,columns,update", NORMS)

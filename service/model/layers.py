@@ -62,13 +62,16 @@ class RMSNorm(nn.Module):
         a projection's partial sums (service.model.layers.fused_projection), and, given `shrinks`
         (service.model.lora.slot_shrinks) and at most kernels.lora.ROW_SHRINK_MAX_ROWS rows, the kernel also
         computes the LoRA shrinks of the projections that read the norm (else None; the new residual is then a new
-        tensor), in the slots' columns layout where slot_shrinks says so; and adds to x the LoRA updates of the
+        tensor), in the slots' columns layout where slot_shrinks says so (past those rows, where the columns' shrinks
+        come from tiles, kernels.lora.tiled_columns, a launch after it adds them); and adds to x the LoRA updates of the
         projection that produced it where `update` (service.model.lora.slot_update_in_norm) names its input."""
         if fused:
             from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm_shrinks
-            from kernels.lora import ROW_SHRINK_MAX_ROWS
+            from kernels.lora import ROW_SHRINK_MAX_ROWS, tiled_columns
 
-            shrinks = shrinks if residual.shape[0] <= ROW_SHRINK_MAX_ROWS else None
+            rows = residual.shape[0]
+            if shrinks is not None and rows > ROW_SHRINK_MAX_ROWS and not (shrinks[-1] and tiled_columns(rows)):
+                shrinks = None  # (in the columns layout from tiles, the norm writes into them: kernels.lora)
             if update is not None and (shrinks is None or x is None):
                 raise ValueError("a projection's LoRA update is added by a residual add that computes shrinks")
             if shrinks is None:

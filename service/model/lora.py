@@ -429,7 +429,7 @@ def slot_update_in_norm(linear: nn.Linear, rows: int) -> tuple[int, int] | None:
     from kernels import lora
 
     slots = getattr(_local, "slots", None)
-    if slots is None or rows > min(lora.UPDATE_IN_NORM_MAX_ROWS, lora.ROW_SHRINK_MAX_ROWS):
+    if slots is None or rows > min(lora.UPDATE_IN_NORM_MAX_ROWS, lora.ROW_SHRINK_MAX_ROWS) or lora.tiled_columns(rows):
         return None
     a_at, b_at, _, _ = slots.layout[linear._lora_name]
     return a_at, b_at
@@ -463,12 +463,20 @@ def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
 def slot_columns_input(x: torch.Tensor, linears, up: torch.Tensor | None = None) -> torch.Tensor:
     """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down): one
     kernels.lora.lora_shrink launch. up: x is the gate and up the up projection of the SwiGLU whose result
-    silu(x) * up the projections read (down), computed in the same launch."""
-    from kernels.lora import lora_shrink, used_tiles
+    silu(x) * up the projections read (down), computed in the same launch; or, where the shrinks come from tiles
+    (kernels.lora.tiled_columns), by kernels.elementwise.silu_mul into the columns before them."""
+    from kernels.lora import columns_shrinks_, lora_shrink, tiled_columns, used_tiles
 
     weights, scales, tiles, rank, parts = slot_lora(linears)
-    return lora_shrink(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts],
-                       used_tiles(tiles, x.shape[0], weights.shape[0]), columns=True, up=up)
+    rows, k = x.shape
+    a_offsets, num_tiles = [a_at for _, a_at, _ in parts], used_tiles(tiles, rows, weights.shape[0])
+    if up is not None and tiled_columns(rows):
+        from kernels.elementwise import silu_mul
+
+        t = x.new_empty(rows, k + len(parts) * weights.shape[0] * rank)
+        silu_mul(x, up, out=t[:, :k])
+        return columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets, num_tiles)
+    return lora_shrink(x, weights, scales, tiles, rank, a_offsets, num_tiles, columns=True, up=up)
 
 
 def eager_adapters_active() -> bool:
