@@ -8,6 +8,7 @@ The tests run under the interpreter (tests/conftest.py), where @triton.jit makes
 compiling happens in a child process without it."""
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -274,7 +275,9 @@ def test_lora_tile_shrink_reads_a_before_the_wait_and_counts_its_chunks_in(rows,
     ptx = compiled("shrink_launched", rows, k, parts, columns, silu, kernel)
     wait = ptx.index("griddepcontrol.wait")
     assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "ld.local" not in ptx
-    assert "atom.global.gpu.relaxed.add.v2.f32" in ptx and "atom.global.gpu.acq_rel.add.u32" in ptx and "mma" in ptx
+    # (the sums' adds are an atom, or a red where the result goes unused: Triton 3.9)
+    assert re.search(r"(atom|red)\.global\.gpu\.relaxed\.add\.v2\.f32", ptx)
+    assert "atom.global.gpu.acq_rel.add.u32" in ptx and "mma" in ptx
 
 
 @pytest.mark.parametrize("add,rows,k,parts,columns,update", NORMS)
