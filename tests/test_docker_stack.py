@@ -157,7 +157,8 @@ def test_dashboard_covers_every_exported_metric():
                    "llm_prefix_cache_queried_tokens_total", "llm_prefix_cache_hit_tokens_total",
                    "llm_requests_running", "llm_requests_waiting", "llm_kv_cache_usage_ratio",
                    "llm_gpu_memory_allocated_bytes", "llm_gpu_memory_reserved_bytes", "llm_gpu_memory_total_bytes",
-                   "llm_batch_size", "llm_finetune_jobs", "llm_finetune_tokens_per_second", "llm_finetune_loss"]:
+                   "llm_batch_size", "llm_finetune_jobs", "llm_finetune_tokens_per_second", "llm_finetune_loss",
+                   "llm_engine_steps_total", "llm_engine_step_time_seconds_total"]:
         assert metric in exprs, metric
 
 
