@@ -241,8 +241,7 @@ def engine_steps(base_url: str) -> dict[str, list[float]]:
 
 def steps_between(before: dict, after: dict) -> dict:
     """Per "kind/adapters" that ran between two engine_steps(): steps, their share of all, and mean ms."""
-    moved = {key: (after[key][0] - before.get(key, [0, 0])[0], after[key][1] - before.get(key, [0, 0])[1])
-             for key in after}
+    moved = {key: [now - then for now, then in zip(after[key], before.get(key, (0.0, 0.0)))] for key in after}
     total = sum(n for n, _ in moved.values()) or 1
     return {key: {"steps": int(n), "share": n / total, "mean_ms": 1e3 * seconds / n}
             for key, (n, seconds) in sorted(moved.items()) if n > 0}

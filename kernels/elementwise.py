@@ -88,7 +88,7 @@ def _rms_norm(x, weight, eps, shrinks, columns=False):
         _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
                                                   BLOCK=triton.next_power_of_2(dim),
                                                   num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
-    tiled_shrinks_after_norm(t, dim, shrinks, columns)
+    tiled_shrinks_after_norm(t, dim, shrinks, lora)
     return (out if columns else out.view(x.shape)), t
 
 
@@ -185,7 +185,7 @@ def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False
             U_A=u_a, U_B=u_b, SPLITS=splits, BLOCK=triton.next_power_of_2(dim), UPDATE=update is not None,
             BLOCK_U=triton.next_power_of_2(u.shape[1]) if update is not None else 16,
             num_warps=4 if dim <= 4096 and update is None else 8, **pdl_launch(x.device))
-    tiled_shrinks_after_norm(t, dim, shrinks, columns)
+    tiled_shrinks_after_norm(t, dim, shrinks, lora)
     return out, t
 
 

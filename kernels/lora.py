@@ -340,10 +340,10 @@ def _no_shrinks(out: torch.Tensor) -> dict:
                 NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
 
 
-def tiled_shrinks_after_norm(t: torch.Tensor | None, k: int, lora: tuple | None, columns: bool) -> None:
-    """After a norm launched with shrink_chunks_args(like, lora, columns, tiled=True): where those left the shrinks
-    to tiles (the columns layout, tiled_columns), t's shrink columns (columns_shrinks_)."""
-    if lora is not None and columns and tiled_columns(t.shape[0]):
+def tiled_shrinks_after_norm(t: torch.Tensor | None, k: int, lora: tuple | None, args: dict) -> None:
+    """After a norm launched with shrink_chunks_args(like, lora, columns, tiled=True)'s T `t` and arguments `args`:
+    where those left the shrinks to tiles (a T, and no shrinks in the norm), t's shrink columns (columns_shrinks_)."""
+    if t is not None and not args["SHRINKS"]:
         weights, scales, tiles, rank, a_offsets = lora
         columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets,
                          used_tiles(tiles, t.shape[0], weights.shape[0]))

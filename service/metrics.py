@@ -195,10 +195,10 @@ class EngineMetrics:
                              "adapters they served", by_kind, registry=r)
         self.steps_seconds = Counter("llm_engine_step_time_seconds", "Duration of those engine steps, summed",
                                      by_kind, registry=r)
-        for kind in STEP_KINDS:
-            for adapters in STEP_ADAPTERS:
-                self.steps.labels(self.engine, kind, adapters)
-                self.steps_seconds.labels(self.engine, kind, adapters)
+        # Every (kind, adapters) series exists from the start; record_step looks its pair up here, not by labels()
+        self.steps_by_kind = {(kind, adapters): (self.steps.labels(self.engine, kind, adapters),
+                                                 self.steps_seconds.labels(self.engine, kind, adapters))
+                              for kind in STEP_KINDS for adapters in STEP_ADAPTERS}
         self.preemptions = counter("llm_preemptions", "Sequences preempted by the scheduler")
         self.prefix_queried = counter("llm_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("llm_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache")
@@ -282,8 +282,9 @@ class EngineMetrics:
     def record_step(self, stats) -> None:
         """After every engine step (a service.engine.llm_engine.StepStats)."""
         self.step_time.observe(stats.step_seconds)
-        self.steps.labels(self.engine, stats.kind, stats.adapters).inc()
-        self.steps_seconds.labels(self.engine, stats.kind, stats.adapters).inc(stats.step_seconds)
+        steps, seconds = self.steps_by_kind[stats.kind, stats.adapters]
+        steps.inc()
+        seconds.inc(stats.step_seconds)
         self.batch_size.set(stats.batch_size)
         self.preemptions.inc(stats.num_preemptions)
         self.vllm_preemptions.inc(stats.num_preemptions)

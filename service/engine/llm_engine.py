@@ -87,7 +87,7 @@ class StepStats:
     num_preemptions: int  # in this step
     prefix_queried_tokens: int  # in this step
     prefix_hit_tokens: int
-    kind: str = "eager"  # how the runner ran the step launched: service.engine.model_runner.STEP_KINDS
+    kind: str = "eager"  # how the runner ran the step launched: service.metrics.STEP_KINDS
     adapters: str = "none"  # whose LoRA adapters it served: none, slots (in the graphs) or hooks (eager)
 
 

@@ -40,7 +40,7 @@ from service.config import Settings
 from service.engine.sampler import greedy
 from service.engine.scheduler import ScheduledBatch
 from service.engine.sequence import PENDING
-from service.metrics import STEP_ADAPTERS, STEP_KINDS
+from service.metrics import STEP_KINDS
 from service.model.attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -242,7 +242,8 @@ class ModelRunner:
         chunk reaches their last token, those sequences' indices in the batch, and, from a decode graph, each
         row's argmax and its logprob (else None). Tensor-parallel workers run the same step from its plan."""
         plan, sample_index = self.plan(batch, pending)
-        self.last_step = STEP_KINDS[plan.kind], STEP_ADAPTERS[2 if plan.adapters else int(plan.lora)]
+        adapters = "hooks" if plan.adapters else "slots" if plan.lora else "none"  # (service.metrics.STEP_ADAPTERS)
+        self.last_step = STEP_KINDS[plan.kind], adapters
         if self.workers is not None:
             self.workers.send(plan)
         logits, greedy = self.execute(plan, pending)
