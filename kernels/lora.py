@@ -74,11 +74,10 @@ SHRINKS_IN_MERGE = True
 # tiles of one slot's rows that share each read of their slot's A (_tile_columns_kernel; per row, a program reads its
 # slot's A alone: 84 MB from L2 a layer at 256 rows over 8 adapters for the Qwen2.5-0.5B shape). q/k/v's and gate-up's
 # norms and down's SwiGLU gate then write their result into the columns tensor and a launch after each adds the
-# shrinks (columns_shrinks_); o's lora_shrink copies its input as it goes. Off until a GPU run times it in the
-# graphs (benchmarks/lora.py's variants tile_shrinks*). Swept alone at 256 rows on 8 adapters (H200, 5be2526, us a
-# launch): the tiles' programs 3.1 for q/k/v and 4.5 for down's input written before, against lora_shrink's 7.3 and
-# 10.7 (with the SwiGLU, 2.3 of it in a launch of its own).
-TILE_SHRINK_MIN_ROWS = 0
+# shrinks (columns_shrinks_); o's lora_shrink copies its input as it goes. LoRA decode graphs (H200, 5a499f0,
+# benchmarks/lora.py's variants): 256 rows 0.94-0.95x with every row on an adapter, 0.98x on 13 of 256; 64 rows
+# unchanged past 64, 1.07-1.08x from 17 (a slot's few rows share too little of A's reads to pay the sums' atomics).
+TILE_SHRINK_MIN_ROWS = 65
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v). 16384 read the same in LoRA graphs of 64 and 256 rows (H200, feb929f: within 1%).
