@@ -258,8 +258,15 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
     workload = Workload(server.base_url, TGI, words, n_words, cfg["new_tokens"], ignore_eos=True,
                         adapters=tuple(names), adapter_share=share)
     marks: list[dict] = []
-    timers = [threading.Timer(at, lambda: marks.append(engine_steps(server.base_url)))
-              for at in (cfg["warmup"], cfg["warmup"] + cfg["seconds"])]
+    failures: list[str] = []
+
+    def mark():  # a timer thread's exception would only reach stderr: keep it beside the row instead
+        try:
+            marks.append(engine_steps(server.base_url))
+        except Exception as error:
+            failures.append(repr(error))
+
+    timers = [threading.Timer(at, mark) for at in (cfg["warmup"], cfg["warmup"] + cfg["seconds"])]
     for timer in timers:
         timer.start()
     level = run_level(workload, concurrency=cfg["streams"], processes=max(1, min(8, (os.cpu_count() or 2) // 2)),
@@ -267,6 +274,8 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
     for timer in timers:
         timer.join()
     row = {"adapter_share": share, **summarize(level), "steps": steps_between(*marks) if len(marks) == 2 else {}}
+    if failures:
+        row["steps_error"] = failures[0]
     w0, w1 = level.window
     named = [r for r in level.records if r.adapter and w0 <= r.start < w1]
     row["adapter_requests"] = len(named)
@@ -276,8 +285,8 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
     print(f"served, {share:4.0%} naming adapters: {row['tok_per_s']:8.0f} tok/s  TTFT p50 {row['ttft_p50_ms']:.0f} "
           f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.2f} p99 {row['itl_p99_ms']:.2f} ms  "
           f"{row['requests']} requests ({len(named)} named one)  {row['errors']} errors", flush=True)
-    print("  steps: " + ", ".join(f"{key} {s['share']:.0%} {s['mean_ms']:.2f} ms" for key, s in row["steps"].items()),
-          flush=True)
+    print("  steps: " + ", ".join(f"{key} {s['share']:.0%} {s['mean_ms']:.2f} ms" for key, s in row["steps"].items())
+          + (f" (not read: {row['steps_error']})" if failures else ""), flush=True)
     return row
 
 
