@@ -77,6 +77,7 @@ VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM_MAX_ROWS": 0},
             "shrinks_in_norms_to_256_rows": {"ROW_SHRINK_MAX_ROWS": 256},
             "no_tile_shrinks": {"TILE_SHRINK_MIN_ROWS": 0},
             "tile_shrinks_past_16_rows": {"TILE_SHRINK_MIN_ROWS": 17}}
+STEPS_EVERY = 0.5  # seconds between the served phases' readings of the engine's steps from /metrics
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 
 
@@ -251,31 +252,37 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
                  seed: int) -> dict:
     """One phase: cfg's closed-loop streams on /generate_stream, each request naming one of `names` with
     probability `share`; summarize()'s numbers, TTFT/ITL of the requests that named one, and the engine's steps
-    in the measuring window by how they ran (their counts, from /metrics, about when the window opens and
-    closes)."""
+    in the measuring window by how they ran (/metrics read every STEPS_EVERY seconds through the phase, the window
+    taken between the last readings at or before its start and its end: the window opens only once the load
+    generator's processes have started)."""
     from benchmarks.load_generator import TGI, Level, Workload, run_level, summarize
 
     workload = Workload(server.base_url, TGI, words, n_words, cfg["new_tokens"], ignore_eos=True,
                         adapters=tuple(names), adapter_share=share)
-    marks: list[dict] = []
+    readings: list[tuple[float, dict]] = []
     failures: list[str] = []
+    done = threading.Event()
 
-    def mark():  # a timer thread's exception would only reach stderr: keep it beside the row instead
-        try:
-            marks.append(engine_steps(server.base_url))
-        except Exception as error:
-            failures.append(repr(error))
+    def read_steps():  # kept beside the row: a thread's exception would only reach stderr
+        while not done.is_set():
+            try:
+                readings.append((time.monotonic(), engine_steps(server.base_url)))
+            except Exception as error:
+                failures.append(repr(error))
+            done.wait(STEPS_EVERY)
 
-    timers = [threading.Timer(at, mark) for at in (cfg["warmup"], cfg["warmup"] + cfg["seconds"])]
-    for timer in timers:
-        timer.start()
+    reader = threading.Thread(target=read_steps, daemon=True)
+    reader.start()
     level = run_level(workload, concurrency=cfg["streams"], processes=max(1, min(8, (os.cpu_count() or 2) // 2)),
                       warmup=cfg["warmup"], seconds=cfg["seconds"], drain=cfg["drain"], seed=seed)
-    for timer in timers:
-        timer.join()
-    row = {"adapter_share": share, **summarize(level), "steps": steps_between(*marks) if len(marks) == 2 else {}}
-    if failures:
-        row["steps_error"] = failures[0]
+    done.set()
+    reader.join()
+    row = {"adapter_share": share, **summarize(level), "steps": {}}
+    bounds = [[steps for at, steps in readings if at <= edge][-1:] for edge in level.window]
+    if all(bounds):
+        row["steps"] = steps_between(bounds[0][0], bounds[1][0])
+    if not row["steps"]:
+        row["steps_error"] = failures[0] if failures else f"{len(readings)} readings, none moved across the window"
     w0, w1 = level.window
     named = [r for r in level.records if r.adapter and w0 <= r.start < w1]
     row["adapter_requests"] = len(named)
@@ -286,7 +293,7 @@ def served_phase(server, words: list[str], n_words: int, names: list[str], share
           f"p99 {row['ttft_p99_ms']:.0f} ms  ITL p50 {row['itl_p50_ms']:.2f} p99 {row['itl_p99_ms']:.2f} ms  "
           f"{row['requests']} requests ({len(named)} named one)  {row['errors']} errors", flush=True)
     print("  steps: " + ", ".join(f"{key} {s['share']:.0%} {s['mean_ms']:.2f} ms" for key, s in row["steps"].items())
-          + (f" (not read: {row['steps_error']})" if failures else ""), flush=True)
+          + (f" (not read: {row['steps_error']})" if "steps_error" in row else ""), flush=True)
     return row
 
 
