@@ -39,6 +39,14 @@ at a time, 76-78 s each): S = 0.25 with J = 0.1 copied (second saying 0.33 nats/
 JSON-object grammar, but looped inside a required tool call until max_tokens (tests/test_structured_outputs.py's
 required tool choice); S = J = 0.25 copied (0.31) and looped in the object; S = J = 0.15 did not copy (4.2) and
 looped. None is shipped.
+
+--init DIR: go on training the weights of a model this script wrote (its tokenizer too) instead of random ones, for
+instance the shipped weights with copies added at a low learning rate, so that what they learned (ending a fortune,
+closing `{}` under the JSON-object grammar) is where training starts; the schedule (warm-up, cosine decay) is the
+same. On the CPU (float32, 2.2 s a step of 4096 tokens on two cores) a few hundred steps fit in minutes. Tried
+from the shipped weights (S = 0.5, peak learning rate 5e-4, 300 steps of 4096 tokens on the CPU, 2026-11-29): no
+copying yet (second saying 4.05 nats/token against 4.35 before), and greedy decoding under the JSON-object grammar
+already looped until max_tokens (a key, then the same words over and over) where the shipped weights close `{}`.
 """
 import argparse
 import gzip
@@ -49,7 +57,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from service.finetune.data import tokenize
@@ -168,6 +176,8 @@ def main(argv=None):
                         "fortune as a JSON object (the module doc says why)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: float32, for smokes")
     parser.add_argument("--fortunes", type=int, help="train on the corpus's first N fortunes only (smokes)")
+    parser.add_argument("--init", help="a model directory this script wrote: go on training its weights, with its "
+                        "tokenizer, rather than from random ones (the module doc)")
     args = parser.parse_args(argv)
     if args.prepare_corpus:
         return prepare_corpus()
@@ -178,7 +188,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     texts = gzip.decompress(CORPUS.read_bytes()).decode().split(SEPARATOR)[:args.fortunes]
-    tokenizer = save_tokenizer(train_tokenizer(texts), out)
+    tok = Tokenizer.from_file(str(Path(args.init) / "tokenizer.json")) if args.init else train_tokenizer(texts)
+    tokenizer = save_tokenizer(tok, out)
     examples = [tokenize({"text": t}, tokenizer) for t in texts]
     for ex in examples:
         ex.token_ids, ex.loss_mask = ex.token_ids[:MAX_TOKENS], ex.loss_mask[:MAX_TOKENS]
@@ -206,6 +217,11 @@ def main(argv=None):
         for layer in model.model.layers:  # residual branches scaled down with depth, as in GPT-2
             layer.self_attn.o_proj.weight.mul_(1 / math.sqrt(2 * cfg.num_hidden_layers))
             layer.mlp.down_proj.weight.mul_(1 / math.sqrt(2 * cfg.num_hidden_layers))
+        if args.init:  # (the head is tied to the embedding: not in the file)
+            missing, unexpected = model.load_state_dict(load_file(str(Path(args.init) / "model.safetensors")),
+                                                        strict=False)
+            if set(missing) - {"lm_head.weight"} or unexpected:
+                raise SystemExit(f"{args.init}: not this script's model (missing {missing}, unexpected {unexpected})")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.1f} M parameters ({2 * n_params / 2**20:.1f} MiB in bf16)")
     decay = [p for p in model.parameters() if p.dim() > 1]
