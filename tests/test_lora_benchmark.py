@@ -1,5 +1,6 @@
 """benchmarks/lora.py --served: its CPU smoke end to end (a real server serving 8 PEFT adapters, streaming clients,
-the 0% / 5% / 50% / 0% phases); the decode steps' results already in lora.json stay."""
+the 0% / 5% / 50% / 0% phases); the decode steps' results already in lora.json stay. And the host side of its GPU
+graphs' variants."""
 import json
 import subprocess
 import sys
@@ -40,3 +41,14 @@ def test_served_lora_phases_on_the_cpu(tmp_path):
         assert abs(sum(s["share"] for s in steps.values()) - 1) < 1e-9 and all(s["mean_ms"] > 0 for s in steps.values())
     assert "eager/slots" in phases[2]["steps"] and "eager/slots" not in phases[0]["steps"]
     assert (tmp_path / "lora.png").stat().st_size > 0
+
+
+def test_the_graphs_variants_name_kernels_lora_switches_and_skip_batches_they_leave_as_shipped():
+    """Each variant's switches exist in kernels/lora.py (the GPU run patches them; a stale name would fail only
+    there), and a batch captures again only the variants that change its graph."""
+    import kernels.lora
+    from benchmarks.lora import PAST_NORM_ROWS, VARIANTS, variants_at
+
+    assert all(hasattr(kernels.lora, switch) for switches in VARIANTS.values() for switch in switches)
+    assert variants_at(1) == ["as_shipped", "o_own_launches"]
+    assert set(variants_at(64)) == set(VARIANTS) - PAST_NORM_ROWS and variants_at(256) == list(VARIANTS)
