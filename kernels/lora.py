@@ -318,6 +318,12 @@ def _norm_tile_shrinks(X, stride_x, RES, stride_res, w_ptr, n_cols, eps, LW, str
     valid = rows >= 0
     rows = tl.where(valid, rows, 0).to(tl.int64)
     scale = tl.load(SCALES + tl.maximum(slot, 0))
+    a_at = tl.multiple_of(tl.where(part == 0, A0, tl.where(part == 1, A1, A2)), 16)
+    a_slot = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw + a_at
+    r = tl.arange(0, RANK)
+    k = tl.arange(0, BLOCK_K)  # A's first K block before the wait too, as the other shrink kernels read theirs
+    a = tl.load(a_slot + r[None, :] * n_cols + k[:, None], mask=k[:, None] < tl.where(slot >= 0, n_cols, 0),
+                other=0.0)
     if PDL:  # kernels/configs.py
         gdc_wait()
         gdc_launch_dependents()
@@ -325,25 +331,30 @@ def _norm_tile_shrinks(X, stride_x, RES, stride_res, w_ptr, n_cols, eps, LW, str
         dtype = T.dtype.element_ty
         squares = tl.zeros((BLOCK_M,), tl.float32)
         for k0 in range(0, n_cols, BLOCK_K):
-            x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k0 + tl.arange(0, BLOCK_K), n_cols, RESIDUAL)
+            x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k0 + k, n_cols, RESIDUAL)
             squares += tl.sum(x * x, 1)
         inv = tl.rsqrt(squares / n_cols + eps)
-        a_at = tl.multiple_of(tl.where(part == 0, A0, tl.where(part == 1, A1, A2)), 16)
-        a_slot = LW + slot.to(tl.int64) * stride_lw + a_at
-        r = tl.arange(0, RANK)
-        acc = tl.zeros((BLOCK_M, RANK), tl.float32)
-        for k0 in range(0, n_cols, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k, n_cols, RESIDUAL)
-            w = tl.load(w_ptr + k, mask=k < n_cols, other=0.0).to(tl.float32)
-            y = ((x * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)  # as _normed_row rounds
-            a = tl.load(a_slot + r[None, :] * n_cols + k[:, None], mask=k[:, None] < n_cols, other=0.0)
+        acc = tl.dot(_normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k, n_cols, inv, RESIDUAL, dtype),
+                     a, input_precision=DOT_PRECISION)
+        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
+            a = tl.load(a_slot + r[None, :] * n_cols + (k0 + k)[:, None], mask=(k0 + k)[:, None] < n_cols, other=0.0)
+            y = _normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k0 + k, n_cols, inv, RESIDUAL, dtype)
             acc += tl.dot(y, a, input_precision=DOT_PRECISION)
         # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
         s = tl.arange(0, SLOTS_PADDED)
         at = T + rows[:, None, None] * stride_t + part * (SLOTS * RANK) + s[None, :, None] * RANK + r[None, None, :]
         tl.store(at, tl.where(s[None, :, None] == slot, (acc * scale)[:, None, :], 0.0).to(dtype),
                  mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+
+
+@triton.jit
+def _normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k, n_cols, inv, RESIDUAL: tl.constexpr,
+                  dtype: tl.constexpr):
+    """A block [rows, k] of the norm's output, each row times its inverse RMS `inv`, rounded as the row programs round
+    it (kernels.elementwise._normed_row)."""
+    x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k, n_cols, RESIDUAL)
+    w = tl.load(w_ptr + k, mask=k < n_cols, other=0.0).to(tl.float32)
+    return ((x * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
 
 
 @triton.jit
