@@ -139,18 +139,36 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 @triton.jit
+def _tile_rows(TILES, j, BLOCK_M: tl.constexpr):
+    """Tile j of lora_tiles' table: its slot (-1: an empty tile), its rows (int64, 0 for padding) and which of them
+    are rows. The tiles are written before the step: kernels read them before their wait."""
+    tile = TILES + j * (BLOCK_M + 1)
+    slot = tl.load(tile)
+    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    return slot, tl.where(valid, rows, 0).to(tl.int64), valid
+
+
+@triton.jit
+def _store_tile_columns(T, rows, valid, stride_t, part, t, slot, RANK: tl.constexpr, SLOTS: tl.constexpr,
+                        SLOTS_PADDED: tl.constexpr):
+    """_store_columns for a tile: its rows' scaled shrinks t [rows, RANK] of projection `part` into their slot's
+    columns at T (the rows' first shrink column), rounded to T's dtype; zeros into every other slot's."""
+    s = tl.arange(0, SLOTS_PADDED)[None, :, None]
+    at = T + rows[:, None, None] * stride_t + part * (SLOTS * RANK) + s * RANK + tl.arange(0, RANK)[None, None, :]
+    tl.store(at, tl.where(s == slot, t[:, None, :], 0.0).to(T.dtype.element_ty),
+             mask=valid[:, None, None] & (s < SLOTS))
+
+
+@triton.jit
 def _tile_shrink_kernel(X, W, TILES, T, stride_x, stride_w, stride_split, stride_t, K, K_SPLIT, A0, A1, A2,
                         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """Program (tile, p, s): float32 partial sums over K range s of the tile's rows of x A_p^T, at columns
     [p * RANK, + RANK) of T[s] (a long K in several programs: one would stream down's 4864 alone)."""
-    tile = TILES + tl.program_id(0) * (BLOCK_M + 1)
     part = tl.program_id(1)
     a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
-    slot = tl.load(tile)  # the tiles are written before the step: read before the wait, as the slots are
-    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    slot, rows, valid = _tile_rows(TILES, tl.program_id(0), BLOCK_M)  # before the wait, as the slots are read
     r = tl.arange(0, RANK)
     a_rows = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + a_at + r[None, :] * K
     if PDL:  # kernels/configs.py: launched while the projection before it finishes, as the decode path's kernels
@@ -185,11 +203,7 @@ def _expand_kernel(T, W, SCALES, TILES, Y0, Y1, Y2, stride_split, stride_t, stri
         if chunk >= tl.cdiv(N1, N_CHUNK):
             chunk -= tl.cdiv(N1, N_CHUNK)
             part, y, n_out, b_at, stride_y = 2, Y2, N2, B2, stride_y2
-    tile = TILES + tl.program_id(0) * (BLOCK_M + 1)
-    slot = tl.load(tile)
-    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    slot, rows, valid = _tile_rows(TILES, tl.program_id(0), BLOCK_M)
     r = tl.arange(0, RANK)
     weights = W + tl.maximum(slot, 0).to(tl.int64) * stride_w + b_at
     if PDL:
@@ -311,12 +325,8 @@ def _norm_tile_shrinks(X, stride_x, RES, stride_res, w_ptr, n_cols, eps, LW, str
     norm's input (X, and with RESIDUAL the old residual RES added, rounded as the row programs round it): one pass
     over K for the sums of squares, a second for the normalized blocks, each times its block of the slot's A in one
     tl.dot whose A read the tile's rows share (per row, the norm's programs read A alone: _shrink_chunk)."""
-    j, part = program // PARTS, program % PARTS
-    tile = TILES + j * (BLOCK_M + 1)
-    slot = tl.load(tile)  # the tiles and the slots are written before the step: read before the wait
-    rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    part = program % PARTS
+    slot, rows, valid = _tile_rows(TILES, program // PARTS, BLOCK_M)  # the tiles and slots: before the wait
     scale = tl.load(SCALES + tl.maximum(slot, 0))
     a_at = tl.multiple_of(tl.where(part == 0, A0, tl.where(part == 1, A1, A2)), 16)
     a_slot = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw + a_at
@@ -341,10 +351,7 @@ def _norm_tile_shrinks(X, stride_x, RES, stride_res, w_ptr, n_cols, eps, LW, str
             y = _normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k0 + k, n_cols, inv, RESIDUAL, dtype)
             acc += tl.dot(y, a, input_precision=DOT_PRECISION)
         # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-        s = tl.arange(0, SLOTS_PADDED)
-        at = T + rows[:, None, None] * stride_t + part * (SLOTS * RANK) + s[None, :, None] * RANK + r[None, None, :]
-        tl.store(at, tl.where(s[None, :, None] == slot, (acc * scale)[:, None, :], 0.0).to(dtype),
-                 mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+        _store_tile_columns(T, rows, valid, stride_t, part, acc * scale, slot, RANK, SLOTS, SLOTS_PADDED)
 
 
 @triton.jit
@@ -568,11 +575,7 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
     pid = tl.program_id(0)
     if pid < NUM_TILES * PARTS * CHUNKS:
         j, part, chunk = pid // (PARTS * CHUNKS), (pid // CHUNKS) % PARTS, pid % CHUNKS
-        tile = TILES + j * (BLOCK_M + 1)
-        slot = tl.load(tile)  # the tiles and the slots are written before the step: read before the wait
-        rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
-        valid = rows >= 0
-        rows = tl.where(valid, rows, 0).to(tl.int64)
+        slot, rows, valid = _tile_rows(TILES, j, BLOCK_M)  # the tiles and the slots: read before the wait
         r = tl.arange(0, RANK)
         k = chunk * BLOCK_K + tl.arange(0, BLOCK_K)
         a_at = tl.where(part == 0, A0, tl.where(part == 1, A1, A2))
@@ -594,10 +597,7 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
             if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
                 # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
                 t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
-                s = tl.arange(0, SLOTS_PADDED)
-                at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
-                tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0)
-                         .to(T.dtype.element_ty), mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+                _store_tile_columns(T + K, rows, valid, stride_t, part, t, slot, RANK, SLOTS, SLOTS_PADDED)
                 tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
                 tl.store(counter, 0)
     else:
