@@ -8,67 +8,42 @@ import triton.language as tl
 
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import (
-    _norm_tile_shrinks,
-    _row_slot,
     _shrink_chunk,
     _shrink_store,
     _store_columns,
     _update_pair,
     _with_update,
     shrink_chunks_args,
-    tile_programs,
     tiled_shrinks_after_norm,
 )
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_rows, n_cols, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n_cols, eps,
                      LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1, A2, BLOCK: tl.constexpr,
                      SHRINKS: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr,
                      TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
-                     SLOTS_PADDED: tl.constexpr, TILE_PROGRAMS: tl.constexpr, PARTS: tl.constexpr,
-                     SHRINK_COLS_PADDED: tl.constexpr, BLOCK_TK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid >= n_rows:  # TILE_PROGRAMS: a tile's shrinks (kernels.lora._norm_tile_shrinks)
-        if TILE_PROGRAMS:
-            _norm_tile_shrinks(x_ptr, stride_x, x_ptr, 0, w_ptr, n_cols, eps, LW, stride_lw, SCALES, TILES, T,
-                               stride_t, A0, A1, A2, pid - n_rows, False, PARTS, RANK, TILE_ROWS, BLOCK_TK, SLOTS,
-                               SLOTS_PADDED, DOT_PRECISION, PDL)
-    else:
-        row, chunk = pid.to(tl.int64), tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        live = chunk == 0
-        if SHRINKS:  # program (row, chunk): a chunk of the row's LoRA shrinks (kernels.lora), A read before the wait
-            slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1,
-                                                   A2, NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
-            live = live | (slot >= 0)  # the other chunks of a row of no slot normalize nothing (below)
-        if TILE_PROGRAMS:
-            slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, TILE_ROWS)
-        if PDL:  # kernels/configs.py
-            gdc_wait()
-            gdc_launch_dependents()
-        if live:
-            ok = cols < n_cols
-            x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
-            y = _normed_row(x, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
-            if chunk == 0:
-                tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
-            if SHRINKS:
-                _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
-            if TILE_PROGRAMS:
-                _zero_row_shrinks(T, row, stride_t, slot, PARTS * SLOTS * RANK, SHRINK_COLS_PADDED)
-        elif SHRINKS and SLOTS > 0:  # (with TILE_PROGRAMS every row is live)
-            _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
-
-
-@triton.jit
-def _zero_row_shrinks(T, row, stride_t, slot, COLS: tl.constexpr, COLS_PADDED: tl.constexpr):
-    """A row program of a norm with tile programs (TILE_PROGRAMS): a row in no tile (slot -1) gets zeros in all its
-    shrink columns; the tile programs write every other row's."""
-    if slot < 0:
-        c = tl.arange(0, COLS_PADDED)
-        tl.store(T + row * stride_t + c, tl.zeros((COLS_PADDED,), T.dtype.element_ty), mask=c < COLS)
+                     SLOTS_PADDED: tl.constexpr, PDL: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = chunk == 0
+    if SHRINKS:  # program (row, chunk): a chunk of the row's LoRA shrinks (kernels.lora), A read before the wait
+        slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
+        live = live | (slot >= 0)  # the other chunks of a row of no slot normalize nothing (below)
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
+    if live:
+        ok = cols < n_cols
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+        y = _normed_row(x, w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty)
+        if chunk == 0:
+            tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
+        if SHRINKS:
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
+    elif SLOTS > 0:
+        _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
 
 
 @triton.jit
@@ -110,9 +85,9 @@ def _rms_norm(x, weight, eps, shrinks, columns=False):
         rows = rows.contiguous()
     out, t, chunks, lora = shrink_chunks_args(rows, shrinks, columns, tiled=True)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0] + tile_programs(lora), chunks)](
-            rows, weight, out, rows.stride(0), out.stride(0), rows.shape[0], dim, eps, **lora,
-            BLOCK=triton.next_power_of_2(dim), num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
+        _rms_norm_kernel[(rows.shape[0], chunks)](rows, weight, out, rows.stride(0), out.stride(0), dim, eps, **lora,
+                                                  BLOCK=triton.next_power_of_2(dim),
+                                                  num_warps=4 if dim <= 4096 else 8, **pdl_launch(x.device))
     tiled_shrinks_after_norm(t, dim, shrinks, lora)
     return (out if columns else out.view(x.shape)), t
 
@@ -129,55 +104,41 @@ def _summed(ptr, stride_split, mask, SPLITS: tl.constexpr, dtype: tl.constexpr):
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, res_out_ptr, w_ptr, out_ptr, stride_split, stride_x, stride_res,
-                         stride_res_out, stride_out, n_rows, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t,
-                         A0, A1, A2, XU, stride_xu, K_U, U_A, U_B, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+                         stride_res_out, stride_out, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t, A0, A1,
+                         A2, XU, stride_xu, K_U, U_A, U_B, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
                          SHRINKS: tl.constexpr, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr,
                          TILE_ROWS: tl.constexpr, RANK: tl.constexpr, RANK_CHUNK: tl.constexpr, SLOTS: tl.constexpr,
-                         SLOTS_PADDED: tl.constexpr, TILE_PROGRAMS: tl.constexpr, PARTS: tl.constexpr,
-                         SHRINK_COLS_PADDED: tl.constexpr, BLOCK_TK: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         UPDATE: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr):
-    pid = tl.program_id(0)
-    if pid >= n_rows:  # TILE_PROGRAMS (SPLITS 1, no UPDATE): as in _rms_norm_kernel, from the old residual + x
-        if TILE_PROGRAMS:
-            _norm_tile_shrinks(x_ptr, stride_x, res_ptr, stride_res, w_ptr, n_cols, eps, LW, stride_lw, SCALES,
-                               TILES, T, stride_t, A0, A1, A2, pid - n_rows, True, PARTS, RANK, TILE_ROWS, BLOCK_TK,
-                               SLOTS, SLOTS_PADDED, DOT_PRECISION, PDL)
-    else:
-        row, chunk = pid.to(tl.int64), tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        live = chunk == 0
-        if SHRINKS:  # as in _rms_norm_kernel (the new residual then goes to another tensor: chunks read the old one)
-            slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1,
-                                                   A2, NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
-            live = live | (slot >= 0)
-            if UPDATE:  # x's own projection's LoRA update, added here (add_rms_norm_shrinks' `update`): its A and B
-                a_u, b_u = _update_pair(LW, stride_lw, slot, U_A, U_B, K_U, cols, n_cols, RANK, BLOCK_U)
-        if TILE_PROGRAMS:
-            slot = _row_slot(TILES, row, NUM_TILES, TILES_PADDED, TILE_ROWS)
-        if PDL:  # kernels/configs.py
-            gdc_wait()
-            gdc_launch_dependents()
-        if live:
-            ok = cols < n_cols
-            dtype = res_ptr.dtype.element_ty
-            x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
-            if UPDATE:
-                x = _with_update(x, a_u, b_u, XU, row, stride_xu, K_U, slot, scale, BLOCK_U)
-            res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
-            # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm
-            # would.
-            total = (res + x).to(dtype)
-            y = _normed_row(total.to(tl.float32), w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
-            y = y.to(out_ptr.dtype.element_ty)
-            if chunk == 0:
-                tl.store(res_out_ptr + row * stride_res_out + cols, total, mask=ok)
-                tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
-            if SHRINKS:
-                _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
-            if TILE_PROGRAMS:
-                _zero_row_shrinks(T, row, stride_t, slot, PARTS * SLOTS * RANK, SHRINK_COLS_PADDED)
-        elif SHRINKS and SLOTS > 0:  # (with TILE_PROGRAMS every row is live)
-            _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
+                         SLOTS_PADDED: tl.constexpr, UPDATE: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr):
+    row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    live = chunk == 0
+    if SHRINKS:  # as in _rms_norm_kernel (the new residual then goes to another tensor: chunks read the old one)
+        slot, scale, a, t_cols = _shrink_chunk(LW, stride_lw, SCALES, TILES, row, chunk, cols, n_cols, A0, A1, A2,
+                                               NUM_TILES, TILES_PADDED, TILE_ROWS, RANK, RANK_CHUNK, SLOTS)
+        live = live | (slot >= 0)
+        if UPDATE:  # x's own projection's LoRA update, added here (add_rms_norm_shrinks' `update`): its A and B
+            a_u, b_u = _update_pair(LW, stride_lw, slot, U_A, U_B, K_U, cols, n_cols, RANK, BLOCK_U)
+    if PDL:  # kernels/configs.py
+        gdc_wait()
+        gdc_launch_dependents()
+    if live:
+        ok = cols < n_cols
+        dtype = res_ptr.dtype.element_ty
+        x = _summed(x_ptr + row * stride_x + cols, stride_split, ok, SPLITS, dtype)
+        if UPDATE:
+            x = _with_update(x, a_u, b_u, XU, row, stride_xu, K_U, slot, scale, BLOCK_U)
+        res = tl.load(res_ptr + row * stride_res + cols, mask=ok, other=0.0).to(tl.float32)
+        # The sum is rounded to the stream's dtype and normalized from there, as `residual + x` then RMSNorm would.
+        total = (res + x).to(dtype)
+        y = _normed_row(total.to(tl.float32), w_ptr, cols, ok, n_cols, eps, out_ptr.dtype.element_ty)
+        y = y.to(out_ptr.dtype.element_ty)
+        if chunk == 0:
+            tl.store(res_out_ptr + row * stride_res_out + cols, total, mask=ok)
+            tl.store(out_ptr + row * stride_out + cols, y, mask=ok)
+        if SHRINKS:
+            _shrink_store(y.to(tl.float32), slot, scale, a, t_cols, T, row, stride_t, RANK, SLOTS, SLOTS_PADDED)
+    elif SLOTS > 0:
+        _zero_columns(T, row, stride_t, t_cols, RANK, RANK_CHUNK, SLOTS, SLOTS_PADDED)
 
 
 def add_rms_norm_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -216,13 +177,11 @@ def _add_rms_norm(x, residual, new_residual, weight, eps, shrinks, columns=False
     out, t, chunks, lora = shrink_chunks_args(residual, shrinks, columns, tiled=True)
     if update is not None and not lora["SHRINKS"]:
         raise ValueError("an update is added by a norm that computes the shrinks itself, not by tiles after it")
-    if tile_programs(lora) and splits > 1:
-        raise ValueError("a norm's tile programs read x whole, not a projection's partial sums")
     if rows:
         # An update's A and B take 16K values each at rank 16 and K 896: eight warps hold them without spilling.
-        _add_rms_norm_kernel[(rows + tile_programs(lora), chunks)](
+        _add_rms_norm_kernel[(rows, chunks)](
             x, residual, new_residual, weight, out, x.stride(0) if splits > 1 else 0, x.stride(-2), residual.stride(0),
-            new_residual.stride(0), out.stride(0), rows, dim, eps, **lora, XU=u, stride_xu=u.stride(0), K_U=u.shape[1],
+            new_residual.stride(0), out.stride(0), dim, eps, **lora, XU=u, stride_xu=u.stride(0), K_U=u.shape[1],
             U_A=u_a, U_B=u_b, SPLITS=splits, BLOCK=triton.next_power_of_2(dim), UPDATE=update is not None,
             BLOCK_U=triton.next_power_of_2(u.shape[1]) if update is not None else 16,
             num_warps=4 if dim <= 4096 and update is None else 8, **pdl_launch(x.device))

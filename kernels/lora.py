@@ -77,14 +77,10 @@ SHRINKS_IN_MERGE = True
 # shrinks (columns_shrinks_); o's lora_shrink copies its input as it goes. LoRA decode graphs (H200, 5a499f0,
 # benchmarks/lora.py's variants): 256 rows 0.94-0.95x with every row on an adapter, 0.98x on 13 of 256; 64 rows
 # unchanged past 64, 1.07-1.08x from 17 (a slot's few rows share too little of A's reads to pay the sums' atomics).
+# Tried and dropped (ef39113): q/k/v's and gate-up's tiles as programs of their norm's own launch, each normalizing
+# its rows again (two launches a layer less): 1.01-1.02x the 256-row graphs (H200), the second pass over K costing
+# more than the launches saved.
 TILE_SHRINK_MIN_ROWS = 65
-# Where tiles give the shrinks (TILE_SHRINK_MIN_ROWS), whether q/k/v's and gate-up's come from tile programs inside
-# their norm's launch (_norm_tile_shrinks: each normalizes its tile's rows again and shares each read of A among
-# them) rather than from a launch of their own after it: two launches a layer less. In the LoRA graph of 256 rows
-# and 8 adapters the tile launches read 5.2 us each (H200, 1e2fc83), 501 us a step, 0.43 ms of a graph 0.52 ms over
-# the base on 13 of 256 rows as on all: the launches, more than their work. Off until benchmarks/lora.py's variant
-# tile_shrinks_in_norms times it.
-TILE_SHRINKS_IN_NORMS = False
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v). 16384 read the same in LoRA graphs of 64 and 256 rows (H200, feb929f: within 1%).
@@ -147,17 +143,6 @@ def _tile_rows(TILES, j, BLOCK_M: tl.constexpr):
     rows = tl.load(tile + 1 + tl.arange(0, BLOCK_M))
     valid = rows >= 0
     return slot, tl.where(valid, rows, 0).to(tl.int64), valid
-
-
-@triton.jit
-def _store_tile_columns(T, rows, valid, stride_t, part, t, slot, RANK: tl.constexpr, SLOTS: tl.constexpr,
-                        SLOTS_PADDED: tl.constexpr):
-    """_store_columns for a tile: its rows' scaled shrinks t [rows, RANK] of projection `part` into their slot's
-    columns at T (the rows' first shrink column), rounded to T's dtype; zeros into every other slot's."""
-    s = tl.arange(0, SLOTS_PADDED)[None, :, None]
-    at = T + rows[:, None, None] * stride_t + part * (SLOTS * RANK) + s * RANK + tl.arange(0, RANK)[None, None, :]
-    tl.store(at, tl.where(s == slot, t[:, None, :], 0.0).to(T.dtype.element_ty),
-             mask=valid[:, None, None] & (s < SLOTS))
 
 
 @triton.jit
@@ -314,68 +299,6 @@ def _store_columns(t_row, t_cols, t, slot, RANK: tl.constexpr, SLOTS: tl.constex
     tl.store(t_row + s * RANK + t_cols[None, :], values.to(t_row.dtype.element_ty), mask=s < SLOTS)
 
 
-@triton.jit
-def _norm_tile_shrinks(X, stride_x, RES, stride_res, w_ptr, n_cols, eps, LW, stride_lw, SCALES, TILES, T, stride_t,
-                       A0, A1, A2, program, RESIDUAL: tl.constexpr, PARTS: tl.constexpr, RANK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SLOTS: tl.constexpr,
-                       SLOTS_PADDED: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Tile program `program` (tile, projection p) of an RMSNorm launch in the columns layout (TILE_SHRINKS_IN_NORMS):
-    the shrinks of p for the tile's rows into their columns of T (the shrink columns: every slot's, zeros but the
-    tile's own), while the launch's row programs write the normalized rows. It normalizes its rows again from the
-    norm's input (X, and with RESIDUAL the old residual RES added, rounded as the row programs round it): one pass
-    over K for the sums of squares, a second for the normalized blocks, each times its block of the slot's A in one
-    tl.dot whose A read the tile's rows share (per row, the norm's programs read A alone: _shrink_chunk)."""
-    part = program % PARTS
-    slot, rows, valid = _tile_rows(TILES, program // PARTS, BLOCK_M)  # the tiles and slots: before the wait
-    scale = tl.load(SCALES + tl.maximum(slot, 0))
-    a_at = tl.multiple_of(tl.where(part == 0, A0, tl.where(part == 1, A1, A2)), 16)
-    a_slot = LW + tl.maximum(slot, 0).to(tl.int64) * stride_lw + a_at
-    r = tl.arange(0, RANK)
-    k = tl.arange(0, BLOCK_K)  # A's first K block before the wait too, as the other shrink kernels read theirs
-    a = tl.load(a_slot + r[None, :] * n_cols + k[:, None], mask=k[:, None] < tl.where(slot >= 0, n_cols, 0),
-                other=0.0)
-    if PDL:  # kernels/configs.py
-        gdc_wait()
-        gdc_launch_dependents()
-    if slot >= 0:
-        dtype = T.dtype.element_ty
-        squares = tl.zeros((BLOCK_M,), tl.float32)
-        for k0 in range(0, n_cols, BLOCK_K):
-            x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k0 + k, n_cols, RESIDUAL)
-            squares += tl.sum(x * x, 1)
-        inv = tl.rsqrt(squares / n_cols + eps)
-        acc = tl.dot(_normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k, n_cols, inv, RESIDUAL, dtype),
-                     a, input_precision=DOT_PRECISION)
-        for k0 in range(BLOCK_K, n_cols, BLOCK_K):
-            a = tl.load(a_slot + r[None, :] * n_cols + (k0 + k)[:, None], mask=(k0 + k)[:, None] < n_cols, other=0.0)
-            y = _normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k0 + k, n_cols, inv, RESIDUAL, dtype)
-            acc += tl.dot(y, a, input_precision=DOT_PRECISION)
-        # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-        _store_tile_columns(T, rows, valid, stride_t, part, acc * scale, slot, RANK, SLOTS, SLOTS_PADDED)
-
-
-@triton.jit
-def _normed_block(X, stride_x, RES, stride_res, w_ptr, rows, valid, k, n_cols, inv, RESIDUAL: tl.constexpr,
-                  dtype: tl.constexpr):
-    """A block [rows, k] of the norm's output, each row times its inverse RMS `inv`, rounded as the row programs round
-    it (kernels.elementwise._normed_row)."""
-    x = _norm_input(X, stride_x, RES, stride_res, rows, valid, k, n_cols, RESIDUAL)
-    w = tl.load(w_ptr + k, mask=k < n_cols, other=0.0).to(tl.float32)
-    return ((x * inv[:, None]).to(dtype).to(tl.float32) * w[None, :]).to(dtype)
-
-
-@triton.jit
-def _norm_input(X, stride_x, RES, stride_res, rows, valid, k, n_cols, RESIDUAL: tl.constexpr):
-    """A block [rows, k] of a norm's input in float32: X's, or with RESIDUAL the old residual plus X rounded to the
-    stream's dtype (residual + x, as the residual add rounds it)."""
-    mask = valid[:, None] & (k[None, :] < n_cols)
-    x = tl.load(X + rows[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    if RESIDUAL:
-        res = tl.load(RES + rows[:, None] * stride_res + k[None, :], mask=mask, other=0.0)
-        x = (res.to(tl.float32) + x).to(res.dtype).to(tl.float32)
-    return x
-
-
 def _shrinks_tensor(like: torch.Tensor, projections: int, weights: torch.Tensor, rank: int,
                     columns: bool) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """What a shrink launch over rows [rows, K] like `like` writes: t [rows, projections * rank], or in the columns
@@ -396,8 +319,7 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None, columns: bool = F
     columns: the columns layout (module doc): T is [rows, K + projections * slots * rank], its first K columns the
     normalized rows (the tensor returned first is that view of it), the others the shrinks. tiled: a caller that
     runs tiled_shrinks_after_norm after its launch, which then adds the shrinks where they come from tiles
-    (tiled_columns): the kernel only writes its rows into T; or, with TILE_SHRINKS_IN_NORMS, its tile programs
-    (tile_programs: how many) compute them in the same launch."""
+    (tiled_columns): the kernel only writes its rows into T."""
     rows, k = like.shape
     if lora is None:
         out = torch.empty_like(like)
@@ -405,44 +327,28 @@ def shrink_chunks_args(like: torch.Tensor, lora: tuple | None, columns: bool = F
     weights, scales, tiles, rank, a_offsets = lora
     t, shrinks, layout = _shrinks_tensor(like, len(a_offsets), weights, rank, columns)
     out = t[:, :k] if columns else torch.empty_like(like)
-    in_tiles = columns and tiled and tiled_columns(rows)
-    if in_tiles and not TILE_SHRINKS_IN_NORMS:
+    if columns and tiled and tiled_columns(rows):
         return out, t, 1, _no_shrinks(out)
     num_tiles = used_tiles(tiles, rows, weights.shape[0])
     offsets = list(a_offsets) + [0] * (3 - len(a_offsets))
-    parts = len(a_offsets)
     rank_chunk = max(1, min(rank, SHRINK_CHUNK_ELEMENTS // triton.next_power_of_2(k)))
-    return out, t, 1 if in_tiles else parts * rank // rank_chunk, dict(
+    return out, t, len(a_offsets) * rank // rank_chunk, dict(
         LW=weights, stride_lw=weights.stride(0), SCALES=scales, TILES=tiles, T=shrinks, stride_t=t.stride(0),
-        A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=not in_tiles, NUM_TILES=num_tiles,
+        A0=offsets[0], A1=offsets[1], A2=offsets[2], SHRINKS=True, NUM_TILES=num_tiles,
         TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), TILE_ROWS=BLOCK_M, RANK=rank, RANK_CHUNK=rank_chunk,
-        **layout, **(_tile_args(in_tiles, parts, rank, layout["SLOTS"], k, like.dtype) if tiled else {}))
-
-
-def _tile_args(in_tiles: bool, parts: int, rank: int, slots: int, k: int, dtype: torch.dtype) -> dict:
-    """The constexprs of a norm's tile programs (_norm_tile_shrinks; TILE_PROGRAMS False: none)."""
-    return dict(TILE_PROGRAMS=in_tiles, PARTS=parts, SHRINK_COLS_PADDED=triton.next_power_of_2(parts * slots * rank),
-                BLOCK_TK=min(256, max(16, triton.next_power_of_2(k))),
-                DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32")
-
-
-def tile_programs(args: dict) -> int:
-    """How many programs a norm launched with shrink_chunks_args' `args` runs after its rows' (_norm_tile_shrinks)."""
-    return args["NUM_TILES"] * args["PARTS"] if args["TILE_PROGRAMS"] else 0
+        **layout)
 
 
 def _no_shrinks(out: torch.Tensor) -> dict:
     """shrink_chunks_args' arguments of a norm that computes no shrinks."""
     return dict(LW=out, stride_lw=0, SCALES=out, TILES=out, T=out, stride_t=0, A0=0, A1=0, A2=0, SHRINKS=False,
-                NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2,
-                **_tile_args(False, 1, 16, 1, 16, out.dtype))
+                NUM_TILES=1, TILES_PADDED=2, TILE_ROWS=BLOCK_M, RANK=16, RANK_CHUNK=1, SLOTS=0, SLOTS_PADDED=2)
 
 
 def tiled_shrinks_after_norm(t: torch.Tensor | None, k: int, lora: tuple | None, args: dict) -> None:
     """After a norm launched with shrink_chunks_args(like, lora, columns, tiled=True)'s T `t` and arguments `args`:
-    where those left the shrinks to tiles (a T, and no shrinks in the norm nor in its tile programs), t's shrink
-    columns (columns_shrinks_)."""
-    if t is not None and not args["SHRINKS"] and not args["TILE_PROGRAMS"]:
+    where those left the shrinks to tiles (a T, and no shrinks in the norm), t's shrink columns (columns_shrinks_)."""
+    if t is not None and not args["SHRINKS"]:
         weights, scales, tiles, rank, a_offsets = lora
         columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets,
                          used_tiles(tiles, t.shape[0], weights.shape[0]))
@@ -597,7 +503,10 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
             if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
                 # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
                 t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
-                _store_tile_columns(T + K, rows, valid, stride_t, part, t, slot, RANK, SLOTS, SLOTS_PADDED)
+                s = tl.arange(0, SLOTS_PADDED)
+                at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
+                tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0)
+                         .to(T.dtype.element_ty), mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
                 tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
                 tl.store(counter, 0)
     else:

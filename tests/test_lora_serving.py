@@ -172,48 +172,6 @@ def test_a_norm_computes_the_shrinks_of_the_projections_that_read_it(device, row
             assert rel_err(y, want) < tol and rel_err(y, h @ w.t()) > 10 * tol
 
 
-@pytest.mark.parametrize("rows,k,slots,widths,add", [(70, 300, 2, (64, 32, 32), True), (37, 200, 8, (48, 48), False),
-                                                    (21, 520, 3, (48, 48), True), (5, 96, 1, (64, 32, 32), False)])
-def test_a_norms_tile_programs_write_the_shrinks_in_the_columns_layout(device, rows, k, slots, widths, add,
-                                                                        monkeypatch):
-    """kernels.lora.TILE_SHRINKS_IN_NORMS: where the columns' shrinks come from tiles, the norm's launch computes
-    them in tile programs after its row programs, each normalizing its tile's rows again (K in blocks of 256: one,
-    two or three of them here; several tiles a slot at 70 rows over 2 slots): the rows and the new residual as
-    without shrinks, each adapter row's shrinks from its normalized row, zeros in every other column (the columns
-    tensor starts as NaN)."""
-    import kernels.lora
-    from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, rms_norm, rms_norm_shrinks
-
-    monkeypatch.setattr(kernels.lora, "TILE_SHRINK_MIN_ROWS", 1)
-    monkeypatch.setattr(kernels.lora, "TILE_SHRINKS_IN_NORMS", True)
-    allocate = kernels.lora._shrinks_tensor
-
-    def nan_filled(*args):
-        t, shrinks, layout = allocate(*args)
-        return t.fill_(float("nan")), shrinks, layout
-
-    monkeypatch.setattr(kernels.lora, "_shrinks_tensor", nan_filled)
-    r = 16
-    for dtype in ([torch.bfloat16, torch.float16] if device == "cuda" else [torch.float32, torch.float16]):
-        gen = torch.Generator().manual_seed(rows + k)
-        weights, scales, parts = random_slots(widths, k, slots, r, device, dtype, gen)
-        x, residual = (torch.randn(rows, k, generator=gen).to(device, dtype) for _ in range(2))
-        norm_weight = torch.randn(k, generator=gen).to(device, dtype)
-        row_slots = np.where(np.arange(rows) % 4 == 3, -1, np.arange(rows) % slots).astype(np.int32)
-        tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
-        shrinks = (weights, scales, tiles, r, [a for _, a, _ in parts])
-        if add:
-            total = residual.clone()
-            plain = add_rms_norm_(x, total, norm_weight, 1e-6)
-            h, new_residual, t = add_rms_norm_shrinks(x, residual, norm_weight, 1e-6, shrinks, columns=True)
-            assert torch.equal(new_residual, total)
-        else:
-            plain = rms_norm(x, norm_weight, 1e-6)
-            h, t = rms_norm_shrinks(x, norm_weight, 1e-6, shrinks, columns=True)
-        assert torch.equal(h, plain)
-        assert_columns(t, h, weights, scales, parts, row_slots, r, 1e-5 if dtype == torch.float32 else 2e-2)
-
-
 @pytest.mark.parametrize("rows,slots,splits,columns", [(1, 1, 1, False), (13, 3, 4, False), (37, 8, 1, True),
                                                      (21, 3, 2, True)])
 def test_the_residual_add_adds_the_lora_update_of_the_projection_it_reads(device, rows, slots, splits, columns):
@@ -371,12 +329,10 @@ def serve(llm: LLM, requests: list[tuple[str, list[int], str | None]], params=GR
     return tokens
 
 
-@pytest.mark.parametrize("rows,norm_rows,tile_rows,in_norms", [(17, 64, 0, False), (64, 64, 0, False),
-                                                             (100, 64, 0, False), (100, 256, 0, False),
-                                                             (100, 64, 65, False), (40, 16, 17, False),
-                                                             (100, 64, 65, True)])
+@pytest.mark.parametrize("rows,norm_rows,tile_rows", [(17, 64, 0), (64, 64, 0), (100, 64, 0), (100, 256, 0),
+                                                    (100, 64, 65), (40, 16, 17)])
 def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_dir, device, rows, norm_rows,
-                                                                          tile_rows, in_norms, monkeypatch):
+                                                                          tile_rows, monkeypatch):
     """Past decode_linear's rows and up to kernels.lora.COLUMNS_MAX_ROWS, a fused projection group's GEMM adds its
     rows' updates from the slots' B beside its weight (service.model.lora.slot_columns; on the CPU with the kernels
     in Triton's interpreter): what the GEMM then lora_add_ (lora_add_ref on the CPU) give, for q/k/v and gate-up
@@ -385,8 +341,7 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     norms' rows (100, with the columns' bound raised) every group takes its shrinks from lora_shrink; with the norms'
     bound at `norm_rows` 256 (benchmarks/lora.py's variant) q/k/v and gate-up take them from their norm. From
     `tile_rows` rows (kernels.lora.TILE_SHRINK_MIN_ROWS) past the norms' bound: the norms and the SwiGLU gate write
-    into the columns and a launch after each adds the shrinks from tiles; o's lora_shrink takes them from tiles;
-    in_norms (kernels.lora.TILE_SHRINKS_IN_NORMS): the norms' own tile programs add q/k/v's and gate-up's."""
+    into the columns and a launch after each adds the shrinks from tiles; o's lora_shrink takes them from tiles."""
     from torch.nn import functional as F
 
     from kernels import lora
@@ -397,7 +352,6 @@ def test_gemms_of_a_few_dozen_rows_add_the_updates_from_the_slots_columns(model_
     monkeypatch.setattr(lora, "COLUMNS_MAX_ROWS", max(rows, lora.COLUMNS_MAX_ROWS))
     monkeypatch.setattr(lora, "ROW_SHRINK_MAX_ROWS", norm_rows)
     monkeypatch.setattr(lora, "TILE_SHRINK_MIN_ROWS", tile_rows)
-    monkeypatch.setattr(lora, "TILE_SHRINKS_IN_NORMS", in_norms)
     normed = rows <= norm_rows or 0 < tile_rows <= rows
 
     dtype, tol = (torch.bfloat16, 2e-2) if device == "cuda" else (torch.float32, 1e-5)

@@ -157,20 +157,15 @@ def lora_ptx(kernel: str) -> str:
     return launched_ptx(module, kernel, lambda: module.lora_add_(x, outputs, weights, scales, tiles, 16), PDL=True)
 
 
-def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = False, update: bool = False,
-                  in_norms: bool = False) -> str:
+def norm_launched(add: bool, rows: int, k: int, parts: int, columns: bool = False, update: bool = False) -> str:
     """kernels.elementwise's rms_norm_shrinks (add_rms_norm_shrinks where `add`) of `rows` bf16 rows, K = k,
     computing the shrinks of `parts` projections of rank 16 over 8 slots (in the columns layout where `columns`);
-    update: adding first the LoRA update of the projection from 896 columns whose output the rows are (o's);
-    in_norms: from the launch's tile programs (kernels.lora.TILE_SHRINKS_IN_NORMS, from tiles at any rows)."""
+    update: adding first the LoRA update of the projection from 896 columns whose output the rows are (o's)."""
     import numpy as np
     import torch
 
     import kernels.elementwise as module
-    import kernels.lora
     from kernels.lora import lora_tiles, max_tiles
-
-    kernels.lora.TILE_SHRINK_MIN_ROWS, kernels.lora.TILE_SHRINKS_IN_NORMS = (1, True) if in_norms else (65, False)
 
     x, w = torch.randn(rows, k, dtype=torch.bfloat16), torch.ones(k, dtype=torch.bfloat16)
     o_at = 16 * 2 * k * parts  # o's A [16, 896] and B [k, 16] after the others' pairs
@@ -213,7 +208,6 @@ SHRINKS = [(1, 896, 3, False, False), (16, 4864, 1, False, False), (40, 896, 1, 
 NORMS = [(False, 1, 896, 3, False, False), (True, 64, 896, 2, False, False), (True, 256, 2048, 3, False, False),
          (True, 40, 896, 3, True, False), (False, 64, 896, 2, True, False), (True, 1, 896, 2, False, True),
          (True, 64, 896, 2, True, True)]
-NORM_TILES = [(True, 256, 896, 3, True, False, True), (False, 100, 896, 2, True, False, True)]
 MERGE_SHRINKS = [17, 64]
 TILE_SHRINKS = [(256, 4864, 1, True, True, "_tile_columns_kernel"), (256, 896, 1, True, False, "_tile_columns_kernel"),
                 (256, 4864, 1, True, False, "columns_shrinks_"), (100, 896, 3, True, False, "columns_shrinks_")]
@@ -223,7 +217,7 @@ LORA_KERNELS = ["_tile_shrink_kernel", "_expand_kernel"]
 def planned() -> list[tuple[str, list]]:
     return ([("decode_linear_launched", [*case]) for case in DECODE_LINEAR]
             + [("shrink_launched", [*case]) for case in SHRINKS + TILE_SHRINKS]
-            + [("norm_launched", [*case]) for case in NORMS + NORM_TILES]
+            + [("norm_launched", [*case]) for case in NORMS]
             + [("merge_shrinks_launched", [rows]) for rows in MERGE_SHRINKS]
             + [("decode_split", [rope, merge]) for rope in (False, True) for merge in (False, True)]
             + [("lora", [kernel]) for kernel in LORA_KERNELS])
@@ -295,14 +289,6 @@ def test_norms_with_lora_shrinks_read_the_slots_tiles_before_the_wait(add, rows,
     wait = ptx.index("griddepcontrol.wait")
     before = ptx[:wait].count("ld.global")
     assert before >= 3 and "ld.global" in ptx[wait:] and "ld.local" not in ptx
-
-
-@pytest.mark.parametrize("add,rows,k,parts,columns,update,in_norms", NORM_TILES)
-def test_norms_tile_programs_compile_to_mma_without_local_memory(add, rows, k, parts, columns, update, in_norms):
-    """A norm's launch with tile programs (kernels.lora.TILE_SHRINKS_IN_NORMS): their tl.dot on the tensor cores, their
-    blocks and the row programs' rows in registers, every program waiting on the launch before."""
-    ptx = compiled("norm_launched", add, rows, k, parts, columns, update, in_norms)
-    assert "mma" in ptx and "ld.local" not in ptx and ptx.count("griddepcontrol.wait") >= 2
 
 
 @pytest.mark.parametrize("rows", MERGE_SHRINKS)
