@@ -14,6 +14,10 @@ base model: the steps of the served 5% phase), two numbers per cell:
 - step_ms: the engine's wall time per step in steady decoding (overlapped scheduling: host and GPU together),
   the adapters loaded into their slots beforehand;
 and kernel_us: the GPU microseconds per replay of that graph's 24 costliest kernels (benchmarks/timing.py).
+The cells on 5% of the rows also hold `no_pdl`: the base and the LoRA graph captured again without programmatic
+dependent launch (kernels/configs.py's PDL), their graph_ms and kernel_us: with PDL a kernel's time includes its
+wait on the one before, so the kernels' differences between the two graphs say where the adapters' time goes only
+without it.
 With adapters also `variants`: the graph_ms of the same graph captured again, as shipped and with kernels/lora.py's
 switches set otherwise (VARIANTS): o's updates from its own launches (a shrink, then decode_linear's expands up to
 16 rows) rather than in the residual add after it; every update added after the GEMMs by kernels.lora.lora_add_, as
@@ -149,6 +153,21 @@ def variant_graph(runner, batch: int, switches: dict):
         return runner._capture(runner._decode_forward(key), lora_rows=key)[0]
 
 
+def no_pdl_graphs(runner, batch: int) -> dict:
+    """The base and the LoRA decode graph that hold `batch` rows, captured again without programmatic dependent
+    launch: graph_ms and kernel_us of each (the doc's `no_pdl`)."""
+    from unittest import mock
+
+    import kernels.configs
+
+    key = next(bs for bs in runner.graphs if bs >= batch)
+    with mock.patch.object(kernels.configs, "PDL", False):
+        graphs = {"base": runner._capture(runner._decode_forward(key))[0],
+                  "lora": runner._capture(runner._decode_forward(key), lora_rows=key)[0]}
+    return {"graph_ms": {name: replay_ms(g) for name, g in graphs.items()},
+            "kernel_us": {name: replay_kernel_us(g, top=24) for name, g in graphs.items()}}
+
+
 def variants_at(batch: int) -> list[str]:
     """The VARIANTS a LoRA graph of `batch` rows is captured again with: decode rows' take o's switch only, and up to
     the norms' rows none of PAST_NORM_ROWS."""
@@ -188,6 +207,8 @@ def measure(llm: LLM, rank: int, steps: int, batches=BATCHES, adapter_counts=ADA
                 if count:
                     row["variants"] = {name: replay_ms(variant_graph(engine.runner, batch, VARIANTS[name]))
                                        for name in variants_at(batch)}
+                if count and adapter_rows < batch:
+                    row["no_pdl"] = no_pdl_graphs(engine.runner, batch)
             rows.append(row)
             print(json.dumps(row), flush=True)
     for row in rows:  # against the same batch without adapters
@@ -443,6 +464,13 @@ def decode(args, device: str, commit: str) -> dict:
         for name, ms in r.get("variants", {}).items():
             print(f"batch {r['batch']}, {r['adapters']} adapters, {name}: graph {ms:.3f} ms = "
                   f"{r['variants_x'][name]:.2f}x as shipped (captured again)")
+    for r in rows:
+        if "no_pdl" in r:
+            ms, us = r["no_pdl"]["graph_ms"], r["no_pdl"]["kernel_us"]
+            delta = {k: round(us["lora"].get(k, 0.0) - us["base"].get(k, 0.0), 1) for k in us["lora"] | us["base"]}
+            print(f"batch {r['batch']}, {r['adapters']} adapters on {r['adapter_rows']} rows, without PDL: graph "
+                  f"{ms['lora']:.3f} ms against {ms['base']:.3f} ({ms['lora'] / ms['base']:.2f}x); GPU us per replay, "
+                  f"LoRA graph less base, by kernel: {json.dumps(dict(sorted(delta.items(), key=lambda kv: -kv[1])))}")
     for r in rows:
         if "kernel_us" in r:
             kernels = json.dumps({k: round(v, 1) for k, v in r["kernel_us"].items()})

@@ -1,6 +1,7 @@
-"""benchmarks/lora.py --served: its CPU smoke end to end (a real server serving 8 PEFT adapters, streaming clients,
-the 0% / 5% / 50% / 0% phases); the decode steps' results already in lora.json stay. And the host side of its GPU
-graphs' variants."""
+"""benchmarks/lora.py's CPU smokes: the decode steps (the engine's steps with adapters against without; the served
+results already in lora.json stay) and --served end to end (a real server serving 8 PEFT adapters, streaming
+clients, the 0% / 5% / 50% / 0% phases; the decode steps' results stay). And the host side of its GPU graphs'
+variants."""
 import json
 import subprocess
 import sys
@@ -10,6 +11,22 @@ ROOT = Path(__file__).resolve().parents[1]
 PHASE_KEYS = {"adapter_share", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests",
               "errors", "adapter_requests", "tok_per_s_x", "ttft_p50_x", "ttft_p99_x", "itl_p50_x", "itl_p99_x",
               "steps"}
+
+
+def test_decode_steps_with_adapters_on_the_cpu(tmp_path):
+    served = {"served": {"device": "earlier run", "phases": []}}
+    (tmp_path / "lora.json").write_text(json.dumps(served))
+    argv = [sys.executable, "benchmarks/lora.py", "--device", "cpu", "--out", str(tmp_path)]
+    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    result = json.loads((tmp_path / "lora.json").read_text())
+    assert result["served"] == served["served"] and result["device"] == "cpu" and result["rank"] == 16
+    cells = {(r["batch"], r["adapters"], r["adapter_rows"]): r for r in result["decode"]}
+    # batch 1 and 4 with 0, 1 and 2 adapters, and the most adapters on one row of 4 (5% of the rows, rounded up)
+    assert set(cells) == {(1, 0, 0), (1, 1, 1), (1, 2, 1), (4, 0, 0), (4, 1, 4), (4, 2, 4), (4, 2, 1)}
+    for (batch, _, _), row in cells.items():
+        assert row["step_ms"] > 0 and row["step_x"] == row["step_ms"] / cells[batch, 0, 0]["step_ms"]
+        assert "graph_ms" not in row  # no CUDA graphs on the CPU
 
 
 def test_served_lora_phases_on_the_cpu(tmp_path):
@@ -44,11 +61,14 @@ def test_served_lora_phases_on_the_cpu(tmp_path):
 
 
 def test_the_graphs_variants_name_kernels_lora_switches_and_skip_batches_they_leave_as_shipped():
-    """Each variant's switches exist in kernels/lora.py (the GPU run patches them; a stale name would fail only
-    there), and a batch captures again only the variants that change its graph."""
+    """Each variant's switches exist in kernels/lora.py and no_pdl_graphs' PDL switch in kernels/configs.py (the GPU
+    run patches them; a stale name would fail only there); a batch captures again only the variants that change its
+    graph."""
+    import kernels.configs
     import kernels.lora
     from benchmarks.lora import PAST_NORM_ROWS, VARIANTS, variants_at
 
     assert all(hasattr(kernels.lora, switch) for switches in VARIANTS.values() for switch in switches)
+    assert isinstance(kernels.configs.PDL, bool)
     assert variants_at(1) == ["as_shipped", "o_own_launches"]
     assert set(variants_at(64)) == set(VARIANTS) - PAST_NORM_ROWS and variants_at(256) == list(VARIANTS)
