@@ -1,8 +1,10 @@
 """Serving under load: TTFT, inter-token latency and throughput of the service at increasing user counts.
 
 python benchmarks/load.py [--out DIR] [--users 1,8,32,128] [--seconds 30] [--model DIR]
+python benchmarks/load.py --device cpu    # the smoke CI runs: the embedded model, 2 users, 5 s
 
-Starts the service on the GPU with a Qwen2.5-0.5B-shaped checkpoint of random weights (or --model) and runs
+Starts the service on the GPU with a Qwen2.5-0.5B-shaped checkpoint of random weights (on the CPU the embedded
+model; or --model) and runs
 loadtest/locustfile.py headless (streaming /generate_stream users, the default workload mix) once per user
 count. TTFT / ITL percentiles come from locust (1 ms resolution below 100 ms); token throughput from the
 service's own counters (/metrics) over each run. Writes load.json and load.png to --out.
@@ -26,6 +28,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.generate import write_checkpoint  # noqa: E402  (random Qwen2.5-0.5B-shaped bf16 weights)
+from benchmarks.provenance import git_commit  # noqa: E402
+from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 
 
 def free_port() -> int:
@@ -85,7 +89,7 @@ def run_level(base: str, users: int, seconds: int, csv_prefix: Path) -> dict:
     }
 
 
-def plot(results: list[dict], path: Path):
+def plot(results: list[dict], device: str, path: Path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -104,7 +108,7 @@ def plot(results: list[dict], path: Path):
         ax.set_xlabel("concurrent users")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"Service under load ({torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'})")
+    fig.suptitle(f"Service under load ({device})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -112,11 +116,18 @@ def plot(results: list[dict], path: Path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--users", default="1,8,32,128", help="comma list of concurrent user counts")
-    parser.add_argument("--seconds", type=int, default=30, help="duration of each load level")
-    parser.add_argument("--model", help="checkpoint directory (default: random Qwen2.5-0.5B-shaped weights)")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--users", help="comma list of concurrent user counts (default 1,8,32,128; CPU 2)")
+    parser.add_argument("--seconds", type=int, help="duration of each load level (default 30; CPU 5)")
+    parser.add_argument("--model", help="checkpoint directory (default: random Qwen2.5-0.5B-shaped weights on the GPU, "
+                                        "the embedded model on the CPU)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
+    cpu = args.device == "cpu"
+    args.users = args.users or ("2" if cpu else "1,8,32,128")
+    args.seconds = args.seconds or (5 if cpu else 30)
+    label = args.model or ("the embedded model" if cpu else "Qwen2.5-0.5B shape, random bf16 weights")
+    if cpu and args.model is None:
+        args.model = str(DEFAULT_MODEL_DIR)
     (args.out / "load_locust").mkdir(parents=True, exist_ok=True)
     levels = [int(u) for u in args.users.split(",")]
 
@@ -152,11 +163,11 @@ def main():
                 os.killpg(service.pid, signal.SIGKILL)
             log.close()
 
-    info = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-            "model": args.model or "Qwen2.5-0.5B shape, random bf16 weights", "seconds_per_level": args.seconds,
+    info = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d"), "model": label, "seconds_per_level": args.seconds,
             "endpoint": "/generate_stream", "results": results}
     (args.out / "load.json").write_text(json.dumps(info, indent=2))
-    plot(results, args.out / "load.png")
+    plot(results, info["device"], args.out / "load.png")
     print(f"wrote {args.out / 'load.json'} and {args.out / 'load.png'}")
     if any(r["failures"] for r in results):
         sys.exit("some requests failed: see the table and load_service.log")
