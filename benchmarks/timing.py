@@ -1,4 +1,4 @@
-"""GPU timing shared by the benchmarks."""
+"""Timing shared by the benchmarks: GPU timing, and the wall clock of their CPU smokes."""
 import time
 
 import torch
@@ -44,3 +44,16 @@ def replay_kernel_us(graph: torch.cuda.CUDAGraph, replays: int = 10, top: int = 
     """GPU microseconds per replay of the `top` kernel names of a captured CUDA graph: where its time goes."""
     times = kernel_us(graph.replay, replays)[1]
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
+
+
+def wall_ms(fn, reps: int = 3, warmup: int = 1) -> float:
+    """Median wall-clock milliseconds of one call of fn, after `warmup` calls: the CPU smokes' stand-in for CUDA
+    events and do_bench, whose numbers only show that the call ran (Triton's interpreter times nothing real)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[reps // 2]
