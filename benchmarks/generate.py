@@ -5,7 +5,12 @@ Fixed batches (128-token random prompts, 256 new tokens, ignore_eos) at batch 1/
 workload (256 requests, prompts 100..1024, outputs 100..1024, all arriving at once). HF runs 32 new tokens
 per batch (it is slow) and its throughput is scaled from that; its largest cases are skipped when too slow.
 
+--device cpu runs the same path on a tiny Qwen2 (TINY_CONFIG) in float32, HF on the same weights: 16-token prompts
+at batch 1 and 2, 8 new tokens, and 4 mixed requests (prompts and outputs 4..32); --quick changes nothing there. Its
+numbers only show that the path works (CI: tests/test_generate_benchmark.py).
+
 python benchmarks/generate.py [--out DIR] [--quick]
+python benchmarks/generate.py --device cpu  # the smoke CI runs
 """
 import argparse
 import gc
@@ -21,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
+from benchmarks.provenance import git_commit  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -44,20 +50,36 @@ LLAMA_1B_CONFIG = {
 }
 WEIGHT_BYTES_FLOOR_MS = 0.33  # ~0.99 GB of bf16 weights read once per decode step at ~3 TB/s
 PROMPT_LEN, NEW_TOKENS, HF_NEW_TOKENS = 128, 256, 32
+# The CPU smoke's model: CONFIG's family at toy size, its vocabulary the embedded tokenizer's (which
+# write_checkpoint copies), so that every token id has a token; bos/eos are that tokenizer's.
+TINY_CONFIG = CONFIG | {"vocab_size": 4096, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "bos_token_id": 0, "eos_token_id": 2}
+# What a run measures: the checkpoint, the dtype both engines run in, the batches, new tokens for ours and for HF,
+# the prompt length, the mixed workload (requests; prompt and output lengths drawn from lo..hi, or None), HF's
+# time budget in seconds and the decode step's weight-read floor (None where it was not worked out).
+GPU_RUN = {"config": CONFIG, "label": "Qwen2.5-0.5B-shaped, random bf16", "dtype": "bfloat16",
+           "batches": [1, 32, 128, 256], "new_tokens": NEW_TOKENS, "hf_new_tokens": HF_NEW_TOKENS,
+           "prompt_len": PROMPT_LEN, "mixed": (256, 100, 1024), "hf_budget_s": 120, "floor_ms": WEIGHT_BYTES_FLOOR_MS}
+RUNS = {"cuda": GPU_RUN,
+        "cuda_quick": GPU_RUN | {"batches": [1, 32], "new_tokens": 64, "mixed": None, "hf_budget_s": 30},
+        "cpu": {"config": TINY_CONFIG, "label": "tiny Qwen2 (2 layers, hidden 64), random bf16 weights in float32",
+                "dtype": "float32", "batches": [1, 2], "new_tokens": 8, "hf_new_tokens": 8, "prompt_len": 16,
+                "mixed": (4, 4, 32), "hf_budget_s": 30, "floor_ms": None}}
 
 
-def write_checkpoint(path: Path, config: dict = CONFIG) -> None:
-    """Random bf16 weights in `config`'s shape (q/k/v biases for Qwen2), and the embedded model's tokenizer."""
+def write_checkpoint(path: Path, config: dict = CONFIG, device: str = "cuda") -> None:
+    """Random bf16 weights in `config`'s shape (q/k/v biases for Qwen2), and the embedded model's tokenizer. Drawn
+    by a seeded generator on `device`: each device's draws differ, but on one device they are the same every run."""
     from safetensors.torch import save_file
 
     c = config
     bias = c["architectures"][0] == "Qwen2ForCausalLM"
-    g = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)
     h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
     q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
 
     def rand(*shape, std=0.02):
-        return (torch.randn(*shape, generator=g, device="cuda") * std).to(torch.bfloat16).cpu()
+        return (torch.randn(*shape, generator=g, device=device) * std).to(torch.bfloat16).cpu()
 
     w = {"model.embed_tokens.weight": rand(c["vocab_size"], h),
          "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
@@ -105,13 +127,14 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dic
             "step_seconds_total": sum(step_times), "step_max_ms": 1e3 * max(step_times)}
 
 
-def run_hf(model, batch: int, new_tokens: int) -> dict:
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch, PROMPT_LEN), device="cuda")
-    torch.cuda.synchronize()
+def run_hf(model, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device)
+    sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0)
-    torch.cuda.synchronize()
+    sync()
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tokens": batch * new_tokens, "tok_per_s": batch * new_tokens / elapsed}
 
@@ -120,32 +143,34 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--quick", action="store_true", help="batches 1 and 32, 64 new tokens, no mixed workload")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    batches = [1, 32] if args.quick else [1, 32, 128, 256]
-    new_tokens = 64 if args.quick else NEW_TOKENS
+    run = RUNS["cuda_quick" if args.device == "cuda" and args.quick else args.device]
+    config, batches, prompt_len = run["config"], run["batches"], run["prompt_len"]
     tmp = Path(tempfile.mkdtemp(prefix="bench-qwen2-"))
-    results = {"config": "Qwen2.5-0.5B-shaped, random bf16", "gpu": torch.cuda.get_device_name(),
-               "weight_read_floor_ms": WEIGHT_BYTES_FLOOR_MS, "ours": {}, "hf": {}}
+    results = {"config": run["label"], "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "commit": git_commit(), "weight_read_floor_ms": run["floor_ms"], "ours": {}, "hf": {}}
     try:
-        write_checkpoint(tmp)
+        write_checkpoint(tmp, config, args.device)
         t = time.perf_counter()
-        llm = LLM(str(tmp), dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=8192,
+        llm = LLM(str(tmp), device=args.device, dtype=run["dtype"], max_num_seqs=256, max_num_batched_tokens=8192,
                   gpu_memory_utilization=0.6, max_model_len=4096)
         results["engine_startup_s"] = time.perf_counter() - t
         g = torch.Generator().manual_seed(0)
-        rand = lambda n: torch.randint(0, CONFIG["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
+        rand = lambda n: torch.randint(0, config["vocab_size"], (n,), generator=g).tolist()  # noqa: E731
         # The engine tuned its prefill buckets at start-up; one small batch settles the rest.
-        run_engine(llm, [rand(PROMPT_LEN) for _ in range(8)], [16] * 8)
+        run_engine(llm, [rand(prompt_len) for _ in range(8)], [16] * 8)
         for batch in batches:
-            r = run_engine(llm, [rand(PROMPT_LEN) for _ in range(batch)], [new_tokens] * batch)
+            r = run_engine(llm, [rand(prompt_len) for _ in range(batch)], [run["new_tokens"]] * batch)
             results["ours"][f"batch{batch}"] = r
             print(f"ours  batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s  "
                   f"decode step {r['decode_step_median_ms']:.2f} ms"
                   f"  TTFT median {r['ttft_median_ms']:.1f} ms", flush=True)
-        if not args.quick:
-            lens = torch.randint(100, 1025, (256, 2), generator=g).tolist()
+        if run["mixed"]:
+            count, lo, hi = run["mixed"]
+            lens = torch.randint(lo, hi + 1, (count, 2), generator=g).tolist()
             r = run_engine(llm, [rand(p) for p, _ in lens], [n for _, n in lens])
             results["ours"]["mixed"] = r
             print(f"ours  mixed     : {r['tok_per_s']:9.0f} tok/s  TTFT median {r['ttft_median_ms']:.0f} ms "
@@ -155,16 +180,18 @@ def main():
         torch.cuda.empty_cache()
 
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.bfloat16).cuda().eval()
-        run_hf(hf, 1, 4)
-        budget_end = time.perf_counter() + (30 if args.quick else 120)
+        dtype = getattr(torch, run["dtype"])
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=dtype).to(args.device).eval()
+        run_hf(hf, 1, 4, prompt_len)
+        budget_end = time.perf_counter() + run["hf_budget_s"]
+        hf_new_tokens = run["hf_new_tokens"]
         for batch in batches:
             if time.perf_counter() > budget_end:
                 print(f"hf    batch {batch:4d}: skipped (time budget)")
                 continue
-            r = run_hf(hf, batch, HF_NEW_TOKENS)
+            r = run_hf(hf, batch, hf_new_tokens, prompt_len)
             results["hf"][f"batch{batch}"] = r
-            print(f"hf    batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s ({HF_NEW_TOKENS} new tokens)", flush=True)
+            print(f"hf    batch {batch:4d}: {r['tok_per_s']:9.0f} tok/s ({hf_new_tokens} new tokens)", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -174,9 +201,10 @@ def main():
         hf_r = results["hf"].get(case)
         speedup = f"{r['tok_per_s'] / hf_r['tok_per_s']:.1f}x" if hf_r else "-"
         hf_s = f"{hf_r['tok_per_s']:.0f}" if hf_r else "-"
-        step = r["decode_step_median_ms"]
+        step, floor = r["decode_step_median_ms"], run["floor_ms"]
+        x_floor = f"{step / floor:.1f}" if floor else "-"
         print(f"{case:>10} {r['tok_per_s']:11.0f} {hf_s:>10} {speedup:>8} {step:8.2f} "
-              f"{step / WEIGHT_BYTES_FLOOR_MS:8.1f} {r['ttft_median_ms']:8.1f}")
+              f"{x_floor:>8} {r['ttft_median_ms']:8.1f}")
     (out / "generate.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "generate.png")
     print(f"wrote {out / 'generate.json'} and {out / 'generate.png'}")
