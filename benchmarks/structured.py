@@ -7,6 +7,12 @@ Batch 64 (and 1), 128-token random prompts, up to 256 new tokens, sampled at tem
 add a per-row draw to every step, constrained or not). Constrained
 outputs that end (finish "stop") are parsed and checked against the schema with `jsonschema` when installed.
 
+--device cpu runs the same path on the embedded model (in float32; trained on fortunes, its JSON strings close
+sooner than a random model's), the rows unseeded as on the GPU but torch's generator seeded once, so that every run
+makes, and checks, the same outputs. --smoke runs decode at batch 1 and 4 after one warm-up request (on the CPU: the
+smoke CI runs, about 20 s on 2 cores, some of its JSON outputs ending within the 256 tokens) and masks at fewer rows
+and steps. The CPU's numbers only show that the path works. --profile works on both devices.
+
 Section `masks` (host only, runs anywhere): the CPU time of one step's token masks (Grammars.fill_masks) for 1 to
 64 grammar-bound rows, each at its own point of its output, with the rows shared among 1 or more threads
 (service/engine/grammar.py's FILL_THREADS): the embedded 4096-token tokenizer under the schema above, and
@@ -14,7 +20,8 @@ benchmarks/serve.py's word-level vocabulary of 151,936 `w<digits>` words under a
 structured requests are on the GPU checkpoint). The step waits on these masks where they take longer than the
 forward pass.
 
-python benchmarks/structured.py [--out DIR] [--sections decode,masks] [--smoke]
+python benchmarks/structured.py [--out DIR] [--sections decode,masks] [--device cuda|cpu] [--smoke] [--profile]
+python benchmarks/structured.py --device cpu --smoke  # CI's smokes, a section each (tests/test_structured_benchmark.py)
 """
 import argparse
 import json
@@ -39,6 +46,8 @@ from service.engine.llm import LLM  # noqa: E402
 from service.protocol import Grammar, SamplingParams  # noqa: E402
 
 NEW_TOKENS = 256
+# The decode section's batches and warm-up requests: the GPU run's, and --smoke's (the module doc).
+DECODE_SIZES = {"full": {"batches": (1, 64), "warmup": 8}, "smoke": {"batches": (1, 4), "warmup": 1}}
 ORDER = {"type": "object", "required": ["id", "status", "customer", "items"], "properties": {
     "id": {"type": "integer", "minimum": 1},
     "status": {"enum": ["new", "paid", "shipped", "cancelled"]},
@@ -154,8 +163,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--profile", action="store_true", help="time the engine's host parts per step")
-    parser.add_argument("--sections", default="decode,masks", help="decode (CUDA), masks (host only)")
-    parser.add_argument("--smoke", action="store_true", help="masks: a few steps of few rows (CI)")
+    parser.add_argument("--sections", default="decode,masks", help="decode (on --device), masks (host only)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="decode's: cuda (the random Qwen2.5-0.5B-shaped checkpoint) or cpu (the embedded model)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="masks: a few steps of few rows; decode: batch 1 and 4 (CI runs both on cpu)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,20 +192,27 @@ def main():
 
 
 def decode(args, out: Path, path: Path, results: dict) -> None:
-    """Constrained against free decoding at batch 1 and 64 (the module doc)."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
-    write_checkpoint(tmp)
-    llm = LLM(str(tmp), dtype="bfloat16", max_num_seqs=256, gpu_memory_utilization=0.6, max_model_len=4096)
+    """Constrained against free decoding at batch 1 and 64 (--smoke: 1 and 4) (the module doc)."""
+    size = DECODE_SIZES["smoke" if args.smoke else "full"]
+    if args.device == "cuda":
+        tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
+        write_checkpoint(tmp)
+        llm = LLM(str(tmp), dtype="bfloat16", max_num_seqs=256, gpu_memory_utilization=0.6, max_model_len=4096)
+        device, config = torch.cuda.get_device_name(), "Qwen2.5-0.5B-shaped, random bf16, embedded 4096-token tokenizer"
+    else:
+        torch.manual_seed(0)  # the unseeded rows draw from it: the same outputs, and so the same checks, every run
+        llm = LLM(None, device="cpu")
+        device, config = "cpu", "the embedded model (6 layers, hidden 320, 4096-token tokenizer)"
     g = torch.Generator().manual_seed(0)
     grammar = Grammar("json", json.dumps(ORDER))
     llm.engine.grammars.compile(grammar).result()  # compiled once, as a server's cache would hold it
-    results |= {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": git_commit(), "rows": [],
-                "config": "Qwen2.5-0.5B-shaped, random bf16, embedded 4096-token tokenizer"}
-    prompt = lambda: torch.randint(0, CONFIG["vocab_size"], (PROMPT_LEN,), generator=g).tolist()  # noqa: E731
+    results |= {"gpu": device, "torch": torch.__version__, "commit": git_commit(), "rows": [], "config": config}
+    vocab = llm.engine.model.config.vocab_size
+    prompt = lambda: torch.randint(0, vocab, (PROMPT_LEN,), generator=g).tolist()  # noqa: E731
     timers = Timers(llm.engine) if args.profile else None
-    run(llm, [prompt() for _ in range(8)], grammar)  # warm-up: kernels, xgrammar's threads
+    run(llm, [prompt() for _ in range(size["warmup"])], grammar)  # warm-up: kernels, xgrammar's threads
     print(f"{'batch':>5} {'mode':>12} {'tok/s':>9} {'step ms':>8} {'tokens':>7} {'ended':>6} {'valid':>6}")
-    for batch in (1, 64):
+    for batch in size["batches"]:
         for mode, g_ in (("free", None), ("json_schema", grammar)):
             r = run(llm, [prompt() for _ in range(batch)], g_, timers)
             results["rows"].append({"batch": batch, "mode": mode, **r})
@@ -205,7 +224,7 @@ def decode(args, out: Path, path: Path, results: dict) -> None:
         results[f"ratio_batch{batch}"] = ratio
         print(f"batch {batch}: constrained / free tok/s = {ratio:.2f}")
     path.write_text(json.dumps(results, indent=2))  # with the masks section's, if it ran
-    labels = [f"batch {b}" for b in (1, 64)]
+    labels = [f"batch {b}" for b in size["batches"]]
     series = {mode: [r["tok_per_s"] for r in results["rows"] if r["mode"] == mode] for mode in ("free", "json_schema")}
     grouped_bars(out / "structured.png", labels, series, "tok/s",
                  f"Decode with every request bound to a JSON schema ({results['gpu']})", figsize=(7, 4))
