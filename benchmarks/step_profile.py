@@ -15,9 +15,17 @@ decode_lora: decode_linear with its rows' LoRA slots against without, each proje
 1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there).
 
 python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora,decode_lora] [--out DIR]
+python benchmarks/step_profile.py --device cpu  # the smoke CI runs
 
 Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
-step_profile.json.
+step_profile.json (and step_profile.png, the graphs section's).
+
+--device cpu runs the same sections on benchmarks/generate.py's tiny Qwen2 (TINY_CONFIG) in float32, Triton's
+kernels in its interpreter (TRITON_INTERPRET=1): the prefill of 16-token prompts, decode steps at batch 1 and 4, the
+sweeps on that shape's projections (lora at 16 rows, decode_lora at 1 and 4, over 2 adapters), each sweep cell the
+wall clock of one eager call (cublas_us: torch's linear on the CPU). What needs CUDA (the graphs section, GPU times,
+graph replays) is recorded as skipped with why. Its numbers only show that the path runs (CI:
+tests/test_step_profile_benchmark.py).
 """
 import argparse
 import cProfile
@@ -25,6 +33,7 @@ import io
 import json
 import os
 import pstats
+import shutil
 import sys
 import tempfile
 import time
@@ -35,56 +44,70 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
-from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, write_checkpoint  # noqa: E402
+from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, TINY_CONFIG, write_checkpoint  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import kernel_us, replay_ms  # noqa: E402
+from benchmarks.timing import kernel_us, replay_ms, wall_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
 
-def median_ms(fn, repeat: int = 50) -> float:
+def synchronize(device: torch.device) -> None:
+    """Waits for the GPU's queued work (the CPU's is done when its call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, device: torch.device, repeat: int) -> float:
     times = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 1e3 * sorted(times)[len(times) // 2]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, help="the prefill's prompt tokens (default 128; CPU 16)")
     parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora,decode_lora")
     parser.add_argument("--paths", default=",".join(p for p, *_ in PATHS), help="the graphs section's paths")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
-    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-              "commit": git_commit(),
-              "date": time.strftime("%Y-%m-%d"), "weights": "random, in the models' shapes: times only"}
+    setup = SETUPS[args.device] | {"device": torch.device(args.device)}
+    cuda = args.device == "cuda"
+    if not cuda:  # one torch thread: the tiny model gains nothing from more, and beside another busy process on
+        torch.set_num_threads(1)  # 2 cores their waits on each other made a 1.5 ms prefill step take 200 ms
+    result = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+              "triton": triton.__version__, "commit": git_commit(),
+              "date": time.strftime("%Y-%m-%d"), "weights": setup["weights"]}
     if "linear" in sections:
-        result["linear"] = sweep_linear()
+        result["linear"] = sweep_linear(setup)
     if "lora" in sections:
-        result["lora"] = sweep_lora()
+        result["lora"] = sweep_lora(setup)
     if "decode_lora" in sections:
-        result["decode_lora"] = sweep_decode_lora()
-    if "graphs" in sections:
+        result["decode_lora"] = sweep_decode_lora(setup)
+    if "graphs" in sections and not cuda:
+        result["graphs"] = CPU_SKIPS["graphs"]
+    elif "graphs" in sections:
         result["graphs"] = {name: decode_graphs(config, args.paths.split(",")) for name, config in SHAPES.items()}
         print_graphs(result["graphs"])
         args.out.mkdir(parents=True, exist_ok=True)
         plot_graphs(result["graphs"], args.out / "step_profile.png")
     if sections & {"prefill", "decode"}:
-        result |= prefill_and_decode(args.tokens)
+        result |= prefill_and_decode(args.tokens or setup["tokens"], setup)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(result, indent=1))
 
 
-def prefill_and_decode(n: int) -> dict:
+def prefill_and_decode(n: int, setup: dict) -> dict:
+    device, cuda = setup["device"], setup["device"].type == "cuda"
     tmp = Path(tempfile.mkdtemp())
-    write_checkpoint(tmp)
-    llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.5, max_model_len=4096)
+    write_checkpoint(tmp, setup["checkpoint"], device.type)
+    llm = LLM(str(tmp), device=device.type, dtype=setup["dtype"], gpu_memory_utilization=0.5, max_model_len=4096)
     runner, model = llm.engine.runner, llm.engine.model
     tables = [list(range(-(-n // runner.block_size)))]
 
@@ -94,46 +117,52 @@ def prefill_and_decode(n: int) -> dict:
         model.compute_logits(model(ids, positions, meta)[-1:]).argmax(-1).tolist()
 
     step()
-    wall = median_ms(step)
+    wall = median_ms(step, device, setup["repeat"])
 
     from kernels import flash_attn_varlen_func
     attn = model.model.layers[0].self_attn
     with torch.inference_mode():
         ids, positions, meta, _ = runner._inputs(list(range(3, n + 3)), [n], [n], tables)
-        q = torch.randn(n, attn.num_heads, attn.head_dim, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(n, attn.num_heads, attn.head_dim, device=device, dtype=getattr(torch, setup["dtype"]))
         call = lambda: flash_attn_varlen_func(q, attn.k_cache, attn.v_cache, meta.cu_seqlens_q,  # noqa: E731
                                               meta.cu_seqlens_k, n, n, softmax_scale=attn.scale, causal=True,
                                               block_table=meta.block_table)
         call()
         host = []
-        for _ in range(200):
+        for _ in range(setup["attention_calls"]):
             t = time.perf_counter()
             call()
             host.append(time.perf_counter() - t)
-        attention_host_us = 1e6 * sorted(host)[100]
-        attention_ms = median_ms(call)
+        attention_host_us = 1e6 * sorted(host)[len(host) // 2]
+        attention_ms = median_ms(call, device, setup["repeat"])
 
-    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(5):
             step()
     averages = prof.key_averages()
-    gpu_ms = sum(e.self_device_time_total for e in averages) / 5 / 1e3
+    gpu_ms = sum(e.self_device_time_total for e in averages) / 5 / 1e3 if cuda else CPU_SKIPS["step_gpu_ms"]
     table = averages.table(sort_by="self_cpu_time_total", row_limit=25)
     result = {"tokens": n, "layers": model.config.num_hidden_layers, "step_wall_ms": wall, "step_gpu_ms": gpu_ms,
               "attention_call_host_us": attention_host_us, "attention_call_wall_ms": attention_ms}
-    result |= engine_ttft(llm, n)
-    decode = {batch: decode_profile(llm, batch) for batch in (1, 64, 256)}
-    result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, 64, adapter_rows=3)
+    result |= engine_ttft(llm, n, setup["ttft_requests"])
+    steps = setup["decode_steps"]
+    decode = {batch: decode_profile(llm, batch, steps) for batch in setup["decode_batches"]}
+    result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, *setup["adapter_batch"], steps)
     print(table)
     for batch, d in decode.items():
-        print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step; its graph {d['graph_ms']['after_steps']:.3f} "
-              f"ms after steps, {d['graph_ms']['after_eager_forward']:.3f} after an eager forward\n{d['profile']}")
+        graph = (f"; its graph {d['graph_ms']['after_steps']:.3f} ms after steps, "
+                 f"{d['graph_ms']['after_eager_forward']:.3f} after an eager forward" if cuda else "")
+        print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step{graph}\n{d['profile']}")
     result["decode_step_ms"] = {batch: d["step_ms"] for batch, d in decode.items()}
-    result["decode_graph_ms"] = {batch: d["graph_ms"] for batch, d in decode.items()}
+    result["decode_graph_ms"] = ({batch: d["graph_ms"] for batch, d in decode.items()} if cuda
+                                 else CPU_SKIPS["decode_graph_ms"])
     print(json.dumps(result, indent=1))
     del llm
     torch.cuda.empty_cache()
+    shutil.rmtree(tmp, ignore_errors=True)
     return {**result, "prefill_profile": table, "decode_profiles": {b: d["profile"] for b, d in decode.items()}}
 
 
@@ -208,6 +237,7 @@ def decode_graphs(config: dict, paths: list[str]) -> dict:
         setattr(configs, key, default)
     del llm, runner, model
     torch.cuda.empty_cache()
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -255,15 +285,44 @@ LINEAR_ROWS = (1, 16, 64)  # decode_linear is the model's up to 16 rows; 64 tell
 DECODE_LORA_ROWS = ((1, (0, 1)), (16, (0, 1, 8)), (64, (0, 1, 8)))  # (rows, distinct adapters timed)
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
+# Per device: the prefill and decode sections' checkpoint, dtype and default prompt tokens, the repeats of the timed
+# calls (median_ms's and the attention call's host time), the TTFT's requests, the decode batches and their timed
+# steps, (batch, rows on an adapter) of the step with one; the sweeps' shapes and rows, and their adapters (slots).
+# The CPU's are tiny: the forward runs eagerly, and every sweep cell calls Triton's interpreter (seconds a sweep).
+SETUPS = {"cuda": {"checkpoint": CONFIG, "dtype": "bfloat16", "tokens": 128, "repeat": 50, "attention_calls": 200,
+                   "ttft_requests": 30, "decode_batches": (1, 64, 256), "decode_steps": 200, "adapter_batch": (64, 3),
+                   "shapes": SHAPES, "lora_shape": SHAPES["Qwen2.5-0.5B"], "linear_rows": LINEAR_ROWS,
+                   "lora_rows": (64, 256), "decode_lora_rows": DECODE_LORA_ROWS, "adapters": 8,
+                   "weights": "random, in the models' shapes: times only"},
+          "cpu": {"checkpoint": TINY_CONFIG, "dtype": "float32", "tokens": 16, "repeat": 3, "attention_calls": 5,
+                  "ttft_requests": 4, "decode_batches": (1, 4), "decode_steps": 8, "adapter_batch": (4, 1),
+                  "shapes": {"tiny": TINY_CONFIG}, "lora_shape": TINY_CONFIG, "linear_rows": LINEAR_ROWS,
+                  "lora_rows": (16,), "decode_lora_rows": ((1, (0, 1)), (4, (0, 1, 2))), "adapters": 2,
+                  "weights": "random, tiny Qwen2 (TINY_CONFIG) in float32, Triton in its interpreter: the CPU smoke, "
+                             "whose numbers only show that the path runs"}}
+# What the CPU cannot measure, and why: those fields say so rather than hold numbers.
+CPU_SKIPS = {"graphs": "skipped on the CPU: CUDA graphs and their kernels' GPU times need CUDA",
+             "step_gpu_ms": "skipped on the CPU: the profiler's GPU time needs CUDA",
+             "decode_graph_ms": "skipped on the CPU: its decode steps run eagerly, there is no CUDA graph to replay"}
 
-def hbm_copies(*shape: int, cap: int = 256) -> list[torch.Tensor]:
+
+def hbm_copies(*shape: int, device: torch.device, cap: int = 256) -> list[torch.Tensor]:
     """Random bf16 tensors of `shape`, enough copies (up to `cap`) that calls going round them read three times
-    L2's bytes: each call finds its tensor in HBM."""
+    L2's bytes: each call finds its tensor in HBM. On the CPU two float32 copies (the interpreter's dots want
+    float32, and nothing there times memory)."""
+    if device.type == "cpu":
+        return [torch.randn(*shape) * 0.02 for _ in range(2)]
     copies = min(cap, max(2, -(-3 * L2_BYTES // (2 * torch.Size(shape).numel()))))
-    return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    return [torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
 
 
-def sweep_linear() -> list[dict]:
+def call_ms(fn, device: torch.device) -> float:
+    """Milliseconds of one call of fn(i): on the GPU in a CUDA graph of calls (_graph_ms); on the CPU the wall clock
+    of one eager call (Triton's interpreter: it shows that the call runs, not how fast)."""
+    return _graph_ms(fn) if device.type == "cuda" else wall_ms(lambda: fn(0), reps=1, warmup=0)
+
+
+def sweep_linear(setup: dict) -> list[dict]:
     """Each projection of both shapes (q/k/v and gate/up fused) at LINEAR_ROWS: cuBLAS (plus the separate SwiGLU
     kernel for gate/up) against kernels/decode_linear.py in each configuration; the best configuration per cell.
     Consecutive calls read different copies of the weight, more bytes than L2 holds: in a decode step every
@@ -271,17 +330,18 @@ def sweep_linear() -> list[dict]:
     from kernels.decode_linear import decode_linear
     from kernels.elementwise import silu_mul
 
+    device, dtype = setup["device"], getattr(torch, setup["dtype"])
     rows_out = []
-    for name, c in SHAPES.items():
+    for name, c in setup["shapes"].items():
         h, inter = c["hidden_size"], c["intermediate_size"]
         d = c.get("head_dim") or h // c["num_attention_heads"]
         q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
         for proj, (n, k, silu) in {"qkv": (q + 2 * kv, h, False), "o": (h, q, False),
                                    "gate_up": (2 * inter, h, True), "down": (h, inter, False)}.items():
-            ws = hbm_copies(n, k)
+            ws = hbm_copies(n, k, device=device)
             copies = len(ws)
-            for m in LINEAR_ROWS:
-                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            for m in setup["linear_rows"]:
+                x = torch.randn(m, k, device=device, dtype=dtype)
                 if silu:
                     def cublas(i):
                         y = torch.nn.functional.linear(x, ws[i % copies])
@@ -292,13 +352,14 @@ def sweep_linear() -> list[dict]:
                 timed = {}
                 for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj in ("o", "down") else []):
                     try:
-                        timed[cfg] = _graph_ms(lambda i, cfg=cfg: decode_linear(
-                            x, ws[i % copies], silu_mul=silu, config=cfg, partials=cfg[-1] > 1))
+                        timed[cfg] = call_ms(lambda i, cfg=cfg: decode_linear(
+                            x, ws[i % copies], silu_mul=silu, config=cfg, partials=cfg[-1] > 1), device)
                     except triton.runtime.errors.OutOfResources:  # shared memory: too many stages of this tile
                         continue
                 best = min(timed, key=timed.get)
-                row = {"shape": name, "proj": proj, "n": n, "k": k, "rows": m, "cublas_us": 1e3 * _graph_ms(cublas),
-                       "best_us": 1e3 * timed[best], "best": best, "floor_us": 1e6 * 2 * n * k / COPY_BYTES_PER_S,
+                row = {"shape": name, "proj": proj, "n": n, "k": k, "rows": m,
+                       "cublas_us": 1e3 * call_ms(cublas, device), "best_us": 1e3 * timed[best], "best": best,
+                       "floor_us": 1e6 * 2 * n * k / COPY_BYTES_PER_S,
                        "configs_us": {str(cfg): 1e3 * t for cfg, t in timed.items()}}
                 rows_out.append(row)
                 top = sorted(timed, key=timed.get)[:4]
@@ -329,7 +390,7 @@ def lora_cases(shape: dict, rank: int) -> dict:
     return cases
 
 
-def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
+def sweep_decode_lora(setup: dict, rank: int = 16) -> list[dict]:
     """kernels/decode_linear.py with the rows' LoRA slots inside against without, each projection group of the
     Qwen2.5-0.5B shape: 1 row (no adapter, one), 16 and 64 rows (none, one, 8 distinct; 64 rows beside
     sweep_lora's cuBLAS + lora_add_ at 64); weights and slots read from HBM as in a step, the calls chained in a
@@ -339,26 +400,27 @@ def sweep_decode_lora(rank: int = 16, slots: int = 8) -> list[dict]:
     from kernels.decode_linear import decode_linear
     from kernels.lora import lora_tiles, max_tiles
 
+    device, dtype, slots = setup["device"], getattr(torch, setup["dtype"]), setup["adapters"]
     rows_out = []
-    for proj, (k, widths, silu, partials, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
-        ws, lws = hbm_copies(sum(widths), k), hbm_copies(slots, size)
-        scales = torch.full((slots,), 2.0, device="cuda")
-        for m, counts in DECODE_LORA_ROWS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    for proj, (k, widths, silu, partials, parts, size) in lora_cases(setup["lora_shape"], rank).items():
+        ws, lws = hbm_copies(sum(widths), k, device=device), hbm_copies(slots, size, device=device)
+        scales = torch.full((slots,), 2.0, device=device)
+        for m, counts in setup["decode_lora_rows"]:
+            x = torch.randn(m, k, device=device, dtype=dtype)
             row = {"proj": proj, "rows": m}
             for count in counts:
                 tiles = torch.from_numpy(lora_tiles(np.arange(m, dtype=np.int32) % max(count, 1),
-                                                    max_tiles(m, slots))).cuda()
+                                                    max_tiles(m, slots))).to(device)
                 lora = (lambda i: (lws[i % len(lws)], scales, tiles, rank, parts)) if count else (lambda i: None)
-                row[f"us_{count}"] = 1e3 * _graph_ms(lambda i: decode_linear(
-                    x, ws[i % len(ws)], silu_mul=silu, lora=lora(i), partials=partials))
+                row[f"us_{count}"] = 1e3 * call_ms(lambda i: decode_linear(
+                    x, ws[i % len(ws)], silu_mul=silu, lora=lora(i), partials=partials), device)
             rows_out.append(row)
             print(f"decode_linear {proj:>8} rows {m:>2}: " + ", ".join(
                 f"{c} adapters {row[f'us_{c}']:.1f} us" for c in counts), flush=True)
     return rows_out
 
 
-def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
+def sweep_lora(setup: dict, rank: int = 16) -> list[dict]:
     """kernels/lora.py beside cuBLAS (the steps of more than decode_linear's rows): each projection group of the
     Qwen2.5-0.5B shape at 64 and 256 rows spread over `adapters` slots of rank `rank`, in each configuration
     (N_CHUNK, BLOCK_K, num_stages), the slots' weights read from HBM as in a step."""
@@ -366,20 +428,21 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
 
     from kernels.lora import lora_add_, lora_tiles, max_tiles
 
+    device, dtype, adapters = setup["device"], getattr(torch, setup["dtype"]), setup["adapters"]
     rows_out = []
-    for proj, (k, widths, _, _, parts, size) in lora_cases(SHAPES["Qwen2.5-0.5B"], rank).items():
-        lws = hbm_copies(adapters, size)
+    for proj, (k, widths, _, _, parts, size) in lora_cases(setup["lora_shape"], rank).items():
+        lws = hbm_copies(adapters, size, device=device)
         copies = len(lws)
-        scales = torch.ones(adapters, device="cuda")
-        for m in (64, 256):
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            y = torch.zeros(m, sum(widths), device="cuda", dtype=torch.bfloat16)
+        scales = torch.ones(adapters, device=device)
+        for m in setup["lora_rows"]:
+            x = torch.randn(m, k, device=device, dtype=dtype)
+            y = torch.zeros(m, sum(widths), device=device, dtype=dtype)
             ys = y.split(widths, dim=1)
             slots = np.arange(m, dtype=np.int32) % adapters
-            tiles = torch.from_numpy(lora_tiles(slots, max_tiles(m, adapters))).cuda()
-            timed = {cfg: _graph_ms(lambda i, cfg=cfg: lora_add_(
-                x, [(yp, a, b) for yp, (_, a, b) in zip(ys, parts)], lws[i % copies], scales, tiles, rank, config=cfg))
-                for cfg in LORA_CONFIGS}
+            tiles = torch.from_numpy(lora_tiles(slots, max_tiles(m, adapters))).to(device)
+            timed = {cfg: call_ms(lambda i, cfg=cfg: lora_add_(
+                x, [(yp, a, b) for yp, (_, a, b) in zip(ys, parts)], lws[i % copies], scales, tiles, rank, config=cfg),
+                device) for cfg in LORA_CONFIGS}
             best = min(timed, key=timed.get)
             row = {"proj": proj, "rows": m, "adapters": adapters, "best_us": 1e3 * timed[best], "best": best,
                    "configs_us": {str(cfg): 1e3 * t for cfg, t in timed.items()}}
@@ -389,7 +452,7 @@ def sweep_lora(rank: int = 16, adapters: int = 8) -> list[dict]:
     return rows_out
 
 
-def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:
+def engine_ttft(llm, tokens: int, requests: int) -> dict:
     """The engine's share of the time to first token: add_request of a fresh prompt (no prefix hit) on an idle
     engine, stepped until its first token, median over requests; and where that host time goes (cProfile)."""
     engine, params = llm.engine, SamplingParams(max_new_tokens=2, temperature=0.0, ignore_eos=True)
@@ -397,7 +460,7 @@ def engine_ttft(llm, tokens: int, requests: int = 30) -> dict:
     times, profile = [], cProfile.Profile()
     for i in range(requests):
         prompt = torch.randint(3, engine.model.config.vocab_size, (tokens,), generator=g).tolist()
-        torch.cuda.synchronize()
+        synchronize(engine.device)
         if i >= requests // 2:
             profile.enable()
         start = time.perf_counter()
@@ -424,7 +487,7 @@ def _decode_steps(engine, batch: int, steps: int, adapter_rows: int = 0) -> floa
                            adapter="profile" if i < adapter_rows else None)
     for _ in range(10):  # the prefill and the first decodes
         engine.step()
-    torch.cuda.synchronize()
+    synchronize(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
@@ -438,7 +501,7 @@ def _finish(engine) -> None:
         engine.step()
 
 
-def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) -> float:
+def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int) -> float:
     """Mean decode step at this batch when adapter_rows of its sequences ask for a (random, rank 8) LoRA adapter,
     against decode_profile's steps without: a step with an adapter replays the LoRA graphs (the adapter in a slot)."""
     from service.model.lora import Adapter, LoRAConfig, add_adapter
@@ -452,11 +515,12 @@ def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int = 200) ->
     return step_ms
 
 
-def decode_profile(llm, batch: int, steps: int = 200) -> dict:
+def decode_profile(llm, batch: int, steps: int) -> dict:
     """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile,
     then the GPU time of the step's graph replayed right after them and again after one eager forward of the same
     inputs: the two differed on an H200 (c28a8ee: 0.744 / 0.714 ms at batch 1, 1.097 / 1.018 at 64), and served
-    steps run in the first state. (The replays rewrite the last step's cache slots; the requests end here.)"""
+    steps run in the first state. (The replays rewrite the last step's cache slots; the requests end here.) On the
+    CPU, whose steps run eagerly, no graph_ms."""
     engine = llm.engine
     step_ms = _decode_steps(engine, batch, steps)
     profile = cProfile.Profile()
@@ -466,6 +530,9 @@ def decode_profile(llm, batch: int, steps: int = 200) -> dict:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    if engine.device.type != "cuda":
+        _finish(engine)
+        return {"step_ms": step_ms, "profile": text.getvalue()[-3500:]}
     runner = engine.runner
     key = next(bs for bs in runner.graphs if bs >= batch)
     graph_ms = {"after_steps": replay_ms(runner.graphs[key])}

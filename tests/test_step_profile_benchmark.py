@@ -1,13 +1,108 @@
-"""benchmarks/step_profile.py's host side on the CPU: the module imports, and every configuration its sweeps time
-(kernels/decode_linear.py's and kernels/lora.py's) launches and computes the reference result in the interpreter,
-so that a sweep on the GPU cannot fail on a configuration the launchers no longer accept."""
+"""benchmarks/step_profile.py's host side on the CPU: its smoke (--device cpu) end to end, so that a change to the
+engine's internals its prefill and decode sections reach into (the runner, the scheduler, the LLM API) breaks here
+rather than on the next GPU run; and every configuration its sweeps time (kernels/decode_linear.py's and
+kernels/lora.py's) launches and computes the reference result in the interpreter, so that a sweep on the GPU cannot
+fail on a configuration the launchers no longer accept."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
 
 from benchmarks import step_profile
+from benchmarks.generate import TINY_CONFIG
+from benchmarks.provenance import git_commit
 from kernels.decode_linear import decode_linear, decode_linear_ref
 from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles
 from tests.helpers import rel_err
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = step_profile.SETUPS["cpu"]
+SKIPPED = "skipped on the CPU: "
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[dict, Path]:
+    """One run of the smoke for the tests below (about 15 s): its JSON, and its --out folder."""
+    out = tmp_path_factory.mktemp("step_profile")
+    argv = [sys.executable, "benchmarks/step_profile.py", "--device", "cpu", "--out", str(out)]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads((out / "step_profile.json").read_text()), out
+
+
+def is_reason(text) -> bool:
+    return isinstance(text, str) and text.startswith(SKIPPED) and len(text) > len(SKIPPED)
+
+
+def profiled_functions(text: str) -> list[str]:
+    """The functions in the rows of a cProfile table as pstats prints it (ncalls, 4 times, function); the benchmark
+    keeps its top 18 by own time, the text cut to its end."""
+    return re.findall(r"^ +\d+(?:/\d+)? +(?:[\d.]+ +){4}(.+)$", text, re.M)
+
+
+def test_the_smoke_names_the_cpu_and_its_commit_and_skips_the_graphs_section(smoke):
+    result, out = smoke
+    assert result["gpu"] == "cpu" and result["commit"] == git_commit() and result["weights"] == CPU["weights"]
+    assert result["torch"] == torch.__version__ and result["date"]
+    assert is_reason(result["graphs"]), result["graphs"]
+    assert not (out / "step_profile.png").exists()  # the plot is the graphs section's: none without it
+
+
+def test_the_smoke_times_a_prefill_step_the_attention_call_and_the_engines_ttft(smoke):
+    result, _ = smoke
+    assert (result["tokens"], result["layers"]) == (CPU["tokens"], TINY_CONFIG["num_hidden_layers"])
+    for key in ("step_wall_ms", "attention_call_host_us", "attention_call_wall_ms", "engine_ttft_ms"):
+        assert result[key] > 0, key
+    assert is_reason(result["step_gpu_ms"]) and result["prefill_graphs"] == 0  # eager steps: no CUDA graphs
+    # where the host time goes: torch.profiler's table of the forward's ops, cProfile's of the engine's steps
+    assert "Self CPU time total" in result["prefill_profile"] and "aten::" in result["prefill_profile"]
+    functions = profiled_functions(result["engine_ttft_profile"])
+    assert len(functions) >= 12 and any("linear" in f for f in functions), result["engine_ttft_profile"]
+
+
+def test_the_smoke_times_decode_steps_at_each_batch_and_with_an_adapter(smoke):
+    result, _ = smoke
+    batches = [str(batch) for batch in CPU["decode_batches"]]  # JSON's keys
+    assert list(result["decode_step_ms"]) == list(result["decode_profiles"]) == batches
+    assert all(ms > 0 for ms in result["decode_step_ms"].values()), result["decode_step_ms"]
+    assert result["decode_step_ms_with_adapter"] > 0
+    for batch, profile in result["decode_profiles"].items():  # the steps' projections among the costliest
+        functions = profiled_functions(profile)
+        assert len(functions) >= 12 and any("linear" in f for f in functions), (batch, profile)
+    assert is_reason(result["decode_graph_ms"]), result["decode_graph_ms"]
+
+
+def test_the_smokes_sweeps_time_every_configuration_of_each_cell(smoke):
+    result, _ = smoke
+    c = TINY_CONFIG
+    h, inter, d = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    widths = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}  # (n, k)
+    linear = {(r["shape"], r["proj"], r["rows"]): r for r in result["linear"]}
+    assert set(linear) == {("tiny", proj, m) for proj in widths for m in CPU["linear_rows"]}
+    for (_, proj, _), row in linear.items():
+        assert (row["n"], row["k"]) == widths[proj], row
+        configs = step_profile.LINEAR_CONFIGS + (step_profile.SPLIT_CONFIGS if proj in ("o", "down") else [])
+        assert list(row["configs_us"]) == [str(cfg) for cfg in configs]
+        assert all(us > 0 for us in row["configs_us"].values()) and row["cublas_us"] > 0 and row["floor_us"] > 0
+        assert row["best_us"] == row["configs_us"][str(tuple(row["best"]))] == min(row["configs_us"].values())
+    lora = {(r["proj"], r["rows"]): r for r in result["lora"]}
+    assert set(lora) == {(proj, m) for proj in widths for m in CPU["lora_rows"]}
+    for row in lora.values():
+        assert row["adapters"] == CPU["adapters"]
+        assert list(row["configs_us"]) == [str(cfg) for cfg in step_profile.LORA_CONFIGS]
+        assert row["best_us"] == row["configs_us"][str(tuple(row["best"]))] == min(row["configs_us"].values()) > 0
+    cells = [(r["proj"], r["rows"], sorted(k for k in r if k.startswith("us_"))) for r in result["decode_lora"]]
+    assert cells == [(proj, m, sorted(f"us_{c}" for c in counts)) for proj in widths
+                     for m, counts in CPU["decode_lora_rows"]]
+    assert all(r[k] > 0 for r in result["decode_lora"] for k in r if k.startswith("us_"))
 
 
 def test_every_swept_decode_linear_configuration_computes_the_projection():
