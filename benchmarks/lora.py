@@ -451,10 +451,13 @@ def decode(args, device: str, commit: str) -> dict:
     else:
         from benchmarks.generate import write_checkpoint
         tmp = Path(tempfile.mkdtemp())
-        write_checkpoint(tmp)
-        llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=4096, max_loras=8,
-                  max_lora_rank=args.rank)
-        rows = measure(llm, args.rank, args.steps or 200)
+        try:
+            write_checkpoint(tmp)
+            llm = LLM(str(tmp), dtype="bfloat16", gpu_memory_utilization=0.6, max_model_len=4096, max_loras=8,
+                      max_lora_rank=args.rank)
+            rows = measure(llm, args.rank, args.steps or 200)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"{'batch':>6} {'adapters':>9} {'on rows':>8} {'step ms':>9} {'x base':>7} {'graph ms':>9} {'x base':>7}")
     for r in rows:
         graph = f"{r['graph_ms']:9.3f} {r['graph_x']:7.2f}" if r.get("graph_ms") else f"{'-':>9} {'-':>7}"

@@ -36,6 +36,7 @@ import multiprocessing
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -411,6 +412,7 @@ def main(argv=None) -> int:
         result = soak(args, server, startup, model_dir)
     finally:
         server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     result["wall_s"] = time.monotonic() - started
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
     plot(result, args.out / "soak.png")
