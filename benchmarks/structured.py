@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -156,6 +157,7 @@ def mask_times(rows_list: list[int], threads_list: list[int], steps: int) -> lis
                 results.append({"case": case, "rows": rows, "threads": threads, "ms_per_step": ms})
                 print(f"{case:>28} {rows:5d} rows {threads:3d} threads {ms:8.3f} ms a step", flush=True)
             grammars.shutdown()
+    shutil.rmtree(words_dir, ignore_errors=True)
     return results
 
 
@@ -194,6 +196,7 @@ def main():
 def decode(args, out: Path, path: Path, results: dict) -> None:
     """Constrained against free decoding at batch 1 and 64 (--smoke: 1 and 4) (the module doc)."""
     size = DECODE_SIZES["smoke" if args.smoke else "full"]
+    tmp = None
     if args.device == "cuda":
         tmp = Path(tempfile.mkdtemp(prefix="bench-structured-"))
         write_checkpoint(tmp)
@@ -228,6 +231,8 @@ def decode(args, out: Path, path: Path, results: dict) -> None:
     series = {mode: [r["tok_per_s"] for r in results["rows"] if r["mode"] == mode] for mode in ("free", "json_schema")}
     grouped_bars(out / "structured.png", labels, series, "tok/s",
                  f"Decode with every request bound to a JSON schema ({results['gpu']})", figsize=(7, 4))
+    if tmp is not None:  # the random checkpoint, 1 GB
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
