@@ -46,6 +46,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.finetune.data import Example  # noqa: E402
 from service.finetune.loss import linear_cross_entropy_ref  # noqa: E402
@@ -174,11 +175,6 @@ def free(device: str) -> None:
         torch.cuda.empty_cache()
 
 
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed_run(make, device: str, warmup: int, timed: int) -> dict:
     """Builds a run (its model loaded fresh), times `timed` steps after `warmup`, and frees it."""
     free(device)
@@ -188,11 +184,11 @@ def timed_run(make, device: str, warmup: int, timed: int) -> dict:
     run = make()
     for _ in range(warmup):  # Triton autotuning and compilation, cuBLAS heuristics, the allocator's first blocks
         run.step()
-    sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(timed):
         run.step()
-    sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - before) / 2**30 if device == "cuda" else None
     del run
@@ -270,11 +266,11 @@ def profile_training(model_dir: Path, args, s: dict, rows: list[dict]) -> list[d
         run = Ours(model_dir, s["dtype"], args.device, examples, micro)
         for _ in range(s["warmup"]):
             run.step()
-        sync(args.device)
+        synchronize(args.device)
         with profile(activities=activities) as prof:
             for _ in range(steps):
                 run.step()
-            sync(args.device)
+            synchronize(args.device)
         del run
         free(args.device)
         events = prof.key_averages()

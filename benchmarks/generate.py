@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
@@ -129,12 +130,11 @@ def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: list[int]) -> dic
 
 def run_hf(model, batch: int, new_tokens: int, prompt_len: int = PROMPT_LEN) -> dict:
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), device=model.device)
-    sync = torch.cuda.synchronize if model.device.type == "cuda" else lambda: None
-    sync()
+    synchronize(model.device)
     start = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0)
-    sync()
+    synchronize(model.device)
     elapsed = time.perf_counter() - start
     return {"seconds": elapsed, "tokens": batch * new_tokens, "tok_per_s": batch * new_tokens / elapsed}
 

@@ -58,7 +58,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import replay_kernel_us, replay_ms  # noqa: E402
+from benchmarks.timing import replay_kernel_us, replay_ms, synchronize  # noqa: E402
 from kernels.decode_linear import MAX_ROWS  # noqa: E402
 from kernels.lora import ROW_SHRINK_MAX_ROWS  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
@@ -176,13 +176,11 @@ def variants_at(batch: int) -> list[str]:
 
 
 def step_ms(engine, steps: int) -> float:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(engine.device)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(engine.device)
     return 1e3 * (time.perf_counter() - start) / steps
 
 

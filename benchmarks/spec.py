@@ -54,6 +54,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.timing import synchronize  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from service.engine import speculative  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
@@ -62,11 +63,6 @@ from service.engine.sequence import Sequence, Status  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
 DEFAULT_MIN_ACCEPTANCE = Settings.model_fields["speculative_min_acceptance"].default
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def free_memory() -> None:

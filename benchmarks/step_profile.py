@@ -46,26 +46,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.generate import CONFIG, LLAMA_1B_CONFIG, TINY_CONFIG, write_checkpoint  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import kernel_us, replay_ms, wall_ms  # noqa: E402
+from benchmarks.timing import kernel_us, replay_ms, synchronize, wall_ms  # noqa: E402
 from service.engine.llm import LLM  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for the GPU's queued work (the CPU's is done when its call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_ms(fn, device: torch.device, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
 
 
 def main():
@@ -117,7 +100,7 @@ def prefill_and_decode(n: int, setup: dict) -> dict:
         model.compute_logits(model(ids, positions, meta)[-1:]).argmax(-1).tolist()
 
     step()
-    wall = median_ms(step, device, setup["repeat"])
+    wall = wall_ms(step, reps=setup["repeat"], warmup=0, device=device)
 
     from kernels import flash_attn_varlen_func
     attn = model.model.layers[0].self_attn
@@ -134,7 +117,7 @@ def prefill_and_decode(n: int, setup: dict) -> dict:
             call()
             host.append(time.perf_counter() - t)
         attention_host_us = 1e6 * sorted(host)[len(host) // 2]
-        attention_ms = median_ms(call, device, setup["repeat"])
+        attention_ms = wall_ms(call, reps=setup["repeat"], warmup=0, device=device)
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
@@ -286,7 +269,7 @@ DECODE_LORA_ROWS = ((1, (0, 1)), (16, (0, 1, 8)), (64, (0, 1, 8)))  # (rows, dis
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
 # Per device: the prefill and decode sections' checkpoint, dtype and default prompt tokens, the repeats of the timed
-# calls (median_ms's and the attention call's host time), the TTFT's requests, the decode batches and their timed
+# calls (wall_ms's and the attention call's host time), the TTFT's requests, the decode batches and their timed
 # steps, (batch, rows on an adapter) of the step with one; the sweeps' shapes and rows, and their adapters (slots).
 # The CPU's are tiny: the forward runs eagerly, and every sweep cell calls Triton's interpreter (seconds a sweep).
 SETUPS = {"cuda": {"checkpoint": CONFIG, "dtype": "bfloat16", "tokens": 128, "repeat": 50, "attention_calls": 200,

@@ -46,14 +46,24 @@ def replay_kernel_us(graph: torch.cuda.CUDAGraph, replays: int = 10, top: int = 
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:top])
 
 
-def wall_ms(fn, reps: int = 3, warmup: int = 1) -> float:
-    """Median wall-clock milliseconds of one call of fn, after `warmup` calls: the CPU smokes' stand-in for CUDA
-    events and do_bench, whose numbers only show that the call ran (Triton's interpreter times nothing real)."""
+def synchronize(device) -> None:
+    """Waits for the queued work of a CUDA `device` (a name or a torch.device); a call on the CPU is done when it
+    returns."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def wall_ms(fn, reps: int = 3, warmup: int = 1, device="cpu") -> float:
+    """Median wall-clock milliseconds of one call of fn, after `warmup` calls, each timed from an idle `device` to
+    the end of its work: on the CPU the smokes' stand-in for CUDA events and do_bench, whose numbers only show that
+    the call ran (Triton's interpreter times nothing real); on the GPU a call's host and GPU time together."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        synchronize(device)
         start = time.perf_counter()
         fn()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return 1e3 * sorted(times)[reps // 2]
