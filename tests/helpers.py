@@ -1,5 +1,11 @@
-"""Shared test helpers for the kernel tests."""
+"""Shared test helpers: the kernel tests' error measure and inputs, and the benchmarks' smokes as subprocesses."""
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -30,3 +36,12 @@ def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     return cu.to(device)
+
+
+def run_benchmark(script: str, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """benchmarks/SCRIPT.py ARGS run from the repository's root, as its doc's commands are; fails the test with the
+    output's tail when it exits non-zero. Returns the finished run (its stdout holds the printed table)."""
+    done = subprocess.run([sys.executable, f"benchmarks/{script}.py", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return done

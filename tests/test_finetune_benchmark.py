@@ -3,11 +3,8 @@ transformers + PEFT take turns on a tiny model, the profiler tables, then decode
 the run must pass and its JSON carry the rows the results README is written from (the host side of the GPU
 benchmark cannot rot unseen)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
 
 
 def test_model_flops_count_what_the_docstring_says():
@@ -20,9 +17,7 @@ def test_model_flops_count_what_the_docstring_says():
 
 
 def test_a_short_finetune_benchmark_runs_on_the_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/finetune.py", "--device", "cpu", "--profile", "--plain-loss",
-                           "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("finetune", "--device", "cpu", "--profile", "--plain-loss", "--out", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "finetune.json").read_text())
     assert [(r["micro_batch"], r["seq_len"]) for r in result["training"]] == [(2, 32), (1, 64)]
     for row in result["training"]:

@@ -2,19 +2,14 @@
 end (fixed batches, the mixed workload, the JSON, the table and the plot), so that the host side of the GPU
 benchmark cannot rot unseen; and the two agree on that model's greedy tokens and their logprobs."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
 
 
 def test_the_generate_benchmark_runs_on_the_cpu(tmp_path):
-    argv = [sys.executable, "benchmarks/generate.py", "--device", "cpu", "--out", str(tmp_path)]
-    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = run_benchmark("generate", "--device", "cpu", "--out", str(tmp_path), timeout=180)
     result = json.loads((tmp_path / "generate.json").read_text())
     assert result["gpu"] == "cpu" and result["commit"] and result["weight_read_floor_ms"] is None
     ours, hf = result["ours"], result["hf"]

@@ -4,8 +4,6 @@ here rather than on the next GPU run. Their numbers mean nothing; which cells th
 why, do."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +11,15 @@ import torch
 
 from benchmarks import attention, decode, launch
 from benchmarks.provenance import git_commit
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 SKIPPED = "skipped on the CPU: "
 
 
 def run_smoke(script: str, out: Path) -> dict:
     """Runs benchmarks/SCRIPT.py --device cpu into `out`; its JSON, after checking the plot and the provenance."""
-    argv = [sys.executable, f"benchmarks/{script}.py", "--device", "cpu", "--out", str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_benchmark(script, "--device", "cpu", "--out", str(out), timeout=120,
+                  env={**os.environ, "TRITON_INTERPRET": "1"})
     assert (out / f"{script}.png").stat().st_size > 0
     result = json.loads((out / f"{script}.json").read_text())
     assert result["gpu"] == "cpu" and result["commit"] == git_commit(), result

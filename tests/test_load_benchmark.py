@@ -1,18 +1,12 @@
 """benchmarks/load.py's CPU smoke: the service started by its CLI on the embedded model, the shipped locust
 workload against it at one user count, and the table's numbers from locust's CSV and the service's /metrics."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
 
 
 def test_the_load_benchmark_runs_on_the_cpu(tmp_path):
-    argv = [sys.executable, "benchmarks/load.py", "--device", "cpu", "--users", "2", "--seconds", "6",
-            "--out", str(tmp_path)]
-    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_benchmark("load", "--device", "cpu", "--users", "2", "--seconds", "6", "--out", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "load.json").read_text())
     assert (result["device"], result["model"], result["seconds_per_level"]) == ("cpu", "the embedded model", 6)
     assert result["commit"] and result["date"]

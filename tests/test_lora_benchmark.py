@@ -3,11 +3,9 @@ results already in lora.json stay) and --served end to end (a real server servin
 clients, the 0% / 5% / 50% / 0% phases; the decode steps' results stay). And the host side of its GPU graphs'
 variants."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
+
 PHASE_KEYS = {"adapter_share", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests",
               "errors", "adapter_requests", "tok_per_s_x", "ttft_p50_x", "ttft_p99_x", "itl_p50_x", "itl_p99_x",
               "steps"}
@@ -16,9 +14,7 @@ PHASE_KEYS = {"adapter_share", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p
 def test_decode_steps_with_adapters_on_the_cpu(tmp_path):
     served = {"served": {"device": "earlier run", "phases": []}}
     (tmp_path / "lora.json").write_text(json.dumps(served))
-    argv = [sys.executable, "benchmarks/lora.py", "--device", "cpu", "--out", str(tmp_path)]
-    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_benchmark("lora", "--device", "cpu", "--out", str(tmp_path), timeout=240)
     result = json.loads((tmp_path / "lora.json").read_text())
     assert result["served"] == served["served"] and result["device"] == "cpu" and result["rank"] == 16
     cells = {(r["batch"], r["adapters"], r["adapter_rows"]): r for r in result["decode"]}
@@ -32,9 +28,7 @@ def test_decode_steps_with_adapters_on_the_cpu(tmp_path):
 def test_served_lora_phases_on_the_cpu(tmp_path):
     decode = {"device": "earlier run", "decode": [{"batch": 1, "adapters": 0, "step_ms": 1.0, "step_x": 1.0}]}
     (tmp_path / "lora.json").write_text(json.dumps(decode))
-    argv = [sys.executable, "benchmarks/lora.py", "--served", "--device", "cpu", "--out", str(tmp_path)]
-    done = subprocess.run(argv, check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_benchmark("lora", "--served", "--device", "cpu", "--out", str(tmp_path), timeout=240)
     result = json.loads((tmp_path / "lora.json").read_text())
     assert {k: result[k] for k in decode} == decode
     served = result["served"]

@@ -1,12 +1,10 @@
 """benchmarks/serve.py: its CPU mode end to end (shortened), and the word-level tokenizer its GPU run writes."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
+
 ROW_KEYS = {"mode", "endpoint", "tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "requests",
             "errors"}
 
@@ -63,10 +61,8 @@ def test_cpu_mode_serves_32_streams_near_the_offline_engine(tmp_path):
     # One torch thread in the engine and the server: with one per core, every operator ends at a barrier that
     # stalls whenever another process (here the load generator, on CI any neighbour) takes a core, and steps
     # then vary tenfold. With one thread the embedded model's steps are as fast and steady.
-    argv = [sys.executable, "benchmarks/serve.py", "--device", "cpu", "--out", str(tmp_path), "--new-tokens", "32",
-            "--warmup", "2", "--seconds", "8", "--cpu-threads", "1"]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = run_benchmark("serve", "--device", "cpu", "--out", str(tmp_path), "--new-tokens", "32", "--warmup", "2",
+                         "--seconds", "8", "--cpu-threads", "1", timeout=300)
     results = json.loads((tmp_path / "serve.json").read_text())
     assert (tmp_path / "serve.png").stat().st_size > 0
     for key in ("startup_cold_s", "startup_warm_s", "graph_step_ms_batch1", "gpu", "torch", "triton", "git_commit",

@@ -2,18 +2,13 @@
 logit_bias, bad requests and a fine-tuning job against the real server with the embedded model; the run must pass
 and its JSON carry what the plot shows."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
 
 
 def test_a_short_soak_passes_on_the_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/soak.py", "--device", "cpu", "--minutes", "0.4", "--streams",
-                           "4", "--interval", "3", "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("soak", "--device", "cpu", "--minutes", "0.4", "--streams", "4", "--interval", "3", "--out",
+                  str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "soak.json").read_text())
     assert result["verdict"]["passed"] and len(result["samples"]) == 8 and (tmp_path / "soak.png").stat().st_size
     assert set(result["verdict"]["checks"]) == {"no good request failed", "bad requests got 4xx", "gauges back to 0",

@@ -3,17 +3,12 @@ rates (with and without the acceptance back-off), the n-gram proposer on copy-he
 (the target itself, its first layers) and the back-off's model; the run must pass and its JSON carry the rows (the
 host side of the GPU benchmark cannot rot unseen)."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import run_benchmark
 
 
 def test_a_short_spec_benchmark_runs_on_the_cpu(tmp_path):
-    done = subprocess.run([sys.executable, "benchmarks/spec.py", "--device", "cpu", "--out", str(tmp_path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_benchmark("spec", "--device", "cpu", "--out", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "spec.json").read_text())
     assert [r["batch"] for r in result["verify_cost"]] == [1, 2]
     assert all(r[f"k{k}_ms"] > 0 for r in result["verify_cost"] for k in (0, 2, 4))

@@ -6,8 +6,6 @@ fail on a configuration the launchers no longer accept."""
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +17,8 @@ from benchmarks.generate import TINY_CONFIG
 from benchmarks.provenance import git_commit
 from kernels.decode_linear import decode_linear, decode_linear_ref
 from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles
-from tests.helpers import rel_err
+from tests.helpers import rel_err, run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 CPU = step_profile.SETUPS["cpu"]
 SKIPPED = "skipped on the CPU: "
 
@@ -30,10 +27,8 @@ SKIPPED = "skipped on the CPU: "
 def smoke(tmp_path_factory) -> tuple[dict, Path]:
     """One run of the smoke for the tests below (about 15 s): its JSON, and its --out folder."""
     out = tmp_path_factory.mktemp("step_profile")
-    argv = [sys.executable, "benchmarks/step_profile.py", "--device", "cpu", "--out", str(out)]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run(argv, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    run_benchmark("step_profile", "--device", "cpu", "--out", str(out), timeout=120,
+                  env={**os.environ, "TRITON_INTERPRET": "1"})
     return json.loads((out / "step_profile.json").read_text()), out
 
 

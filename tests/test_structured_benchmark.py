@@ -3,21 +3,16 @@ host-only token masks of grammar-bound rows (one thread and more, on the embedde
 checkpoint's word-level one), and the decode section's free against JSON-schema-bound batches on the embedded
 model, its outputs that end parsed and validated."""
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 from benchmarks.provenance import git_commit
+from tests.helpers import run_benchmark
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 256  # benchmarks/structured.py's, a request
 
 
 def test_the_masks_section_times_every_case_and_keeps_the_decode_rows(tmp_path):
     (tmp_path / "structured.json").write_text(json.dumps({"rows": [{"batch": 1, "mode": "free"}]}))
-    done = subprocess.run([sys.executable, "benchmarks/structured.py", "--sections", "masks", "--smoke", "--out",
-                           str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    run_benchmark("structured", "--sections", "masks", "--smoke", "--out", str(tmp_path), timeout=300)
     result = json.loads((tmp_path / "structured.json").read_text())
     cells = result["masks"]["rows"]
     assert {c["case"] for c in cells} == {"embedded 4096, JSON schema", "word-level 151936, regex"}
@@ -30,10 +25,8 @@ def test_the_decode_section_runs_free_and_json_bound_batches_on_the_cpu(tmp_path
     masks = {"commit": "earlier run", "rows": [{"case": "embedded 4096, JSON schema", "rows": 1, "threads": 1,
                                                "ms_per_step": 0.1}]}
     (tmp_path / "structured.json").write_text(json.dumps({"masks": masks}))
-    argv = [sys.executable, "benchmarks/structured.py", "--device", "cpu", "--sections", "decode", "--smoke",
-            "--profile", "--out", str(tmp_path)]
-    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    done = run_benchmark("structured", "--device", "cpu", "--sections", "decode", "--smoke", "--profile", "--out",
+                         str(tmp_path), timeout=180)
     result = json.loads((tmp_path / "structured.json").read_text())
     assert result["masks"] == masks and result["gpu"] == "cpu" and result["commit"] == git_commit()
     rows = {(r["batch"], r["mode"]): r for r in result["rows"]}
