@@ -23,7 +23,8 @@ switches set otherwise (VARIANTS): o's updates from its own launches (a shrink, 
 16 rows) rather than in the residual add after it; every update added after the GEMMs by kernels.lora.lora_add_, as
 steps of 17-64 rows ran before the slots' columns; q/k/v's and gate-up's shrinks (and o's, from the attention's
 merge) from their producers up to 256 rows, not 64 (past them a lora_shrink launch each); and the shrinks past those
-rows from lora_shrink launches rather than tiles of one slot's rows (TILE_SHRINK_MIN_ROWS), or tiles past 16; at
+rows from lora_shrink launches rather than tiles of one slot's rows (TILE_SHRINK_MIN_ROWS), or tiles past 16, or
+tiles whose programs take K in chunks even where one takes all of it (TILE_WHOLE_K); at
 batch 1 only o's switch applies. `variants_x` compares each with the shipped graph captured again, not with
 graph_ms: graphs replay faster after a capture (whose warm-up is an eager forward) than right after engine steps
 (H200, c28a8ee: the base graph of 64 rows 1.10 ms right after engine steps, 1.02 ms after one eager forward of the
@@ -81,10 +82,11 @@ VARIANTS = {"as_shipped": {}, "o_own_launches": {"UPDATE_IN_NORM_MAX_ROWS": 0},
             "updates_after_gemms": {"COLUMNS_MAX_ROWS": 0},
             "shrinks_in_norms_to_256_rows": {"ROW_SHRINK_MAX_ROWS": 256},
             "no_tile_shrinks": {"TILE_SHRINK_MIN_ROWS": 0},
-            "tile_shrinks_past_16_rows": {"TILE_SHRINK_MIN_ROWS": 17}}
+            "tile_shrinks_past_16_rows": {"TILE_SHRINK_MIN_ROWS": 17},
+            "tiles_in_k_chunks": {"TILE_WHOLE_K": 0}}
 # Those whose switches act only past the norms' rows (kernels.lora.ROW_SHRINK_MAX_ROWS, where the tiles start): not
 # captured again at fewer rows, where they would time the shipped graph (a capture each of device time).
-PAST_NORM_ROWS = {"shrinks_in_norms_to_256_rows", "no_tile_shrinks"}
+PAST_NORM_ROWS = {"shrinks_in_norms_to_256_rows", "no_tile_shrinks", "tiles_in_k_chunks"}
 STEPS_EVERY = 0.5  # seconds between the served phases' readings of the engine's steps from /metrics
 TARGETS_X = {0.05: {"itl_p50_x": 1.15, "tok_per_s_x": 0.9}, 0.5: {"tok_per_s_x": 0.75}}  # issue 31; tok/s: minimum
 

@@ -81,6 +81,10 @@ SHRINKS_IN_MERGE = True
 # its rows again (two launches a layer less): 1.01-1.02x the 256-row graphs (H200), the second pass over K costing
 # more than the launches saved.
 TILE_SHRINK_MIN_ROWS = 65
+# Up to this K (a power of two), a tile program of _tile_columns_kernel takes all of K: one dot, its result final,
+# where programs over K chunks add float32 sums atomically and the last to arrive takes them (three dependent trips
+# to memory more). 0: chunks always.
+TILE_WHOLE_K = 1024
 # A's elements a norm's shrink program holds (_shrink_chunk): its ranks per program are this over K (rounded up to
 # a power of two). 8192 is 64 registers a thread at 4 warps, 8 ranks a program at K 896 (six programs a row for
 # q/k/v). 16384 read the same in LoRA graphs of 64 and 256 rows (H200, feb929f: within 1%).
@@ -475,7 +479,8 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
     over K chunk c, one tl.dot whose A read the tile's rows share, added into float32 sums SUMS [rows, PARTS * RANK]
     (a chunk per program: one program streaming down's 4864 of K alone took 26 us a launch at 0878105). The last
     chunk of a (tile, p) to arrive scales and rounds the sums into the rows' p columns of every slot (zeros but
-    their own) and puts the sums and its counter in COUNTS back to zero. The others (a block of COPY_ROWS rows and
+    their own) and puts the sums and its counter in COUNTS back to zero; with one chunk (CHUNKS = 1) the program
+    stores its own dot so, touching neither. The others (a block of COPY_ROWS rows and
     COPY_K of K): COPY, the input (SILU: silu(X) * UP) into T's first K columns (else X is those columns, written by
     the launch before); in the first K block, zeros into all shrink columns of the rows of no slot (in no tile)."""
     pid = tl.program_id(0)
@@ -494,21 +499,22 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
         if slot >= 0:
             x = _input_block(X, UP, rows[:, None], stride_x, stride_up, k[None, :], valid[:, None] & (k[None, :] < K),
                              SILU)
-            sums = SUMS + rows[:, None] * (PARTS * RANK) + part * RANK + r[None, :]
-            tl.atomic_add(sums, tl.dot(x, a, input_precision=DOT_PRECISION), mask=valid[:, None], sem="relaxed")
-            # Every thread's sums are added before the count (a release at GPU scope); the last chunk to count
-            # acquires them all, reading past L1.
-            tl.debug_barrier()
-            counter = COUNTS + j * PARTS + part
-            if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
-                # Scaled and rounded to the activations' dtype, as a dense LoRA layer's intermediate is.
-                t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
-                s = tl.arange(0, SLOTS_PADDED)
-                at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
-                tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0)
-                         .to(T.dtype.element_ty), mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
-                tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
-                tl.store(counter, 0)
+            shrunk = tl.dot(x, a, input_precision=DOT_PRECISION)
+            if CHUNKS == 1:  # all of K in this program: its sums are the tile's (no atomics, no counter)
+                _store_tile_columns(T, rows, valid, shrunk * scale, slot, part, stride_t, K, RANK, SLOTS,
+                                    SLOTS_PADDED)
+            else:
+                sums = SUMS + rows[:, None] * (PARTS * RANK) + part * RANK + r[None, :]
+                tl.atomic_add(sums, shrunk, mask=valid[:, None], sem="relaxed")
+                # Every thread's sums are added before the count (a release at GPU scope); the last chunk to count
+                # acquires them all, reading past L1.
+                tl.debug_barrier()
+                counter = COUNTS + j * PARTS + part
+                if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
+                    t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
+                    _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK, SLOTS, SLOTS_PADDED)
+                    tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
+                    tl.store(counter, 0)
     else:
         block = pid - NUM_TILES * PARTS * CHUNKS
         k_blocks = tl.cdiv(K, COPY_K)
@@ -537,15 +543,30 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
                      mask=(in_batch & no_slot)[:, None] & (c[None, :] < PARTS * SLOTS * RANK))
 
 
+@triton.jit
+def _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK: tl.constexpr, SLOTS: tl.constexpr,
+                        SLOTS_PADDED: tl.constexpr):
+    """A tile's scaled shrinks t [BLOCK_M, RANK] (float32) of projection `part`, rounded to the activations' dtype
+    as a dense LoRA layer's intermediate is, into its rows' columns of `slot` in T; zeros into every other slot's."""
+    r = tl.arange(0, RANK)
+    s = tl.arange(0, SLOTS_PADDED)
+    at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
+    tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0).to(T.dtype.element_ty),
+             mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+
+
 def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, copy: bool) -> None:
     """The columns layout's shrinks of t from tiles of one slot's rows (_tile_columns_kernel); copy: x (silu(x) * up
     with up) copied into t's first columns too, else x is those columns already."""
     rows, k = x.shape
     parts, copy_rows = len(a_offsets), 16
     # One K block a copy program without the copy: its rows' zeros only. K chunks of 256 (4 programs a tile for
-    # q/k/v's 896, 19 for down's 4864: the fewest of a 24-shape sweep within 0.1 us of the best, H200, 5be2526).
+    # q/k/v's 896, 19 for down's 4864: the fewest of a 24-shape sweep within 0.1 us of the best, H200, 5be2526),
+    # or all of K one chunk up to TILE_WHOLE_K.
     copy_k = 512 if copy else triton.next_power_of_2(k)
-    block_k = min(256, max(16, triton.next_power_of_2(k)))
+    block_k = max(16, triton.next_power_of_2(k))
+    if block_k > TILE_WHOLE_K:
+        block_k = min(256, block_k)
     chunks = triton.cdiv(k, block_k)
     sums = zeroed_scratch("lora_tile_sums", x.device, rows * parts * rank, torch.float32)
     counts = zeroed_scratch("lora_tile_counts", x.device, num_tiles * parts, torch.int32)

@@ -271,13 +271,19 @@ def test_lora_shrink_reads_its_slots_before_the_wait(rows, k, parts, columns, si
 @pytest.mark.parametrize("rows,k,parts,columns,silu,kernel", TILE_SHRINKS)
 def test_lora_tile_shrink_reads_a_before_the_wait_and_counts_its_chunks_in(rows, k, parts, columns, silu, kernel):
     """kernels.lora's columns from tiles: a program's chunk of A before the wait, the rows after it; its sums added
-    and its chunk counted in with atomics at GPU scope (the count acquiring the others' sums), no local memory."""
+    and its chunk counted in with atomics at GPU scope (the count acquiring the others' sums), no local memory.
+    Where one program takes all of K (kernels.lora.TILE_WHOLE_K: q/k/v's 896) no atomics at all."""
+    from kernels.lora import TILE_WHOLE_K
+
     ptx = compiled("shrink_launched", rows, k, parts, columns, silu, kernel)
     wait = ptx.index("griddepcontrol.wait")
-    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "ld.local" not in ptx
+    assert "ld.global" in ptx[:wait] and "ld.global" in ptx[wait:] and "ld.local" not in ptx and "mma" in ptx
+    if k <= TILE_WHOLE_K:
+        assert not re.search(r"\b(atom|red)\.global", ptx)
+        return
     # (the sums' adds are an atom, or a red where the result goes unused: Triton 3.9)
     assert re.search(r"(atom|red)\.global\.gpu\.relaxed\.add\.v2\.f32", ptx)
-    assert "atom.global.gpu.acq_rel.add.u32" in ptx and "mma" in ptx
+    assert "atom.global.gpu.acq_rel.add.u32" in ptx
 
 
 @pytest.mark.parametrize("add,rows,k,parts,columns,update", NORMS)
