@@ -501,8 +501,7 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
                              SILU)
             shrunk = tl.dot(x, a, input_precision=DOT_PRECISION)
             if CHUNKS == 1:  # all of K in this program: its sums are the tile's (no atomics, no counter)
-                _store_tile_columns(T, rows, valid, shrunk * scale, slot, part, stride_t, K, RANK, SLOTS,
-                                    SLOTS_PADDED)
+                _store_tile_columns(T, rows, valid, shrunk * scale, slot, part, stride_t, K, RANK, SLOTS)
             else:
                 sums = SUMS + rows[:, None] * (PARTS * RANK) + part * RANK + r[None, :]
                 tl.atomic_add(sums, shrunk, mask=valid[:, None], sem="relaxed")
@@ -512,7 +511,7 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
                 counter = COUNTS + j * PARTS + part
                 if tl.atomic_add(counter, 1, sem="acq_rel") == CHUNKS - 1:
                     t = tl.load(sums, mask=valid[:, None], other=0.0, cache_modifier=".cg") * scale
-                    _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK, SLOTS, SLOTS_PADDED)
+                    _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK, SLOTS)
                     tl.store(sums, tl.zeros((BLOCK_M, RANK), tl.float32), mask=valid[:, None])
                     tl.store(counter, 0)
     else:
@@ -544,15 +543,12 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
 
 
 @triton.jit
-def _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK: tl.constexpr, SLOTS: tl.constexpr,
-                        SLOTS_PADDED: tl.constexpr):
+def _store_tile_columns(T, rows, valid, t, slot, part, stride_t, K, RANK: tl.constexpr, SLOTS: tl.constexpr):
     """A tile's scaled shrinks t [BLOCK_M, RANK] (float32) of projection `part`, rounded to the activations' dtype
     as a dense LoRA layer's intermediate is, into its rows' columns of `slot` in T; zeros into every other slot's."""
-    r = tl.arange(0, RANK)
-    s = tl.arange(0, SLOTS_PADDED)
-    at = T + rows[:, None, None] * stride_t + K + part * (SLOTS * RANK) + s[None, :, None] * RANK
-    tl.store(at + r[None, None, :], tl.where(s[None, :, None] == slot, t[:, None, :], 0.0).to(T.dtype.element_ty),
-             mask=valid[:, None, None] & (s[None, :, None] < SLOTS))
+    at = T + rows[:, None] * stride_t + K + part * (SLOTS * RANK) + tl.arange(0, RANK)[None, :]
+    for s in tl.static_range(SLOTS):  # (2D stores: t may come from a dot, in the MMA layout)
+        tl.store(at + s * RANK, tl.where(s == slot, t, 0.0).to(T.dtype.element_ty), mask=valid[:, None])
 
 
 def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, copy: bool) -> None:
