@@ -12,9 +12,12 @@ the floor (the weights' bytes read once at 3 TB/s). --sections linear: kernels/d
 against cuBLAS on each projection of both shapes at 1, 16 and 64 rows (the model takes it up to 16); --sections
 lora: kernels/lora.py's (the LoRA updates of larger steps) at 64 and 256 rows over 8 adapters; --sections
 decode_lora: decode_linear with its rows' LoRA slots against without, each projection of the Qwen2.5-0.5B shape at
-1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there).
+1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there);
+--sections lora_producers: the launches that compute the shrinks in LoRA steps of 64 and 256 rows (the norms, the
+SwiGLU gate, o's input), each alone beside the base step's launch.
 
-python benchmarks/step_profile.py [--tokens 128] [--sections prefill,decode,graphs,linear,lora,decode_lora] [--out DIR]
+python benchmarks/step_profile.py [--tokens 128] [--out DIR]
+    [--sections prefill,decode,graphs,linear,lora,decode_lora,lora_producers]
 python benchmarks/step_profile.py --device cpu  # the smoke CI runs
 
 Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
@@ -22,7 +25,8 @@ step_profile.json (and step_profile.png, the graphs section's).
 
 --device cpu runs the same sections on benchmarks/generate.py's tiny Qwen2 (TINY_CONFIG) in float32, Triton's
 kernels in its interpreter (TRITON_INTERPRET=1): the prefill of 16-token prompts, decode steps at batch 1 and 4, the
-sweeps on that shape's projections (lora at 16 rows, decode_lora at 1 and 4, over 2 adapters), each sweep cell the
+sweeps on that shape's projections (lora at 16 rows, decode_lora at 1 and 4, lora_producers at 20 and 72 rows,
+past the norms' 64 the tiles; over 2 adapters), each sweep cell the
 wall clock of one eager call (cublas_us: torch's linear on the CPU). What needs CUDA (the graphs section, GPU times,
 graph replays) is recorded as skipped with why. Its numbers only show that the path runs (CI:
 tests/test_step_profile_benchmark.py).
@@ -54,7 +58,7 @@ from service.protocol import SamplingParams  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, help="the prefill's prompt tokens (default 128; CPU 16)")
-    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora,decode_lora")
+    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora,decode_lora,lora_producers")
     parser.add_argument("--paths", default=",".join(p for p, *_ in PATHS), help="the graphs section's paths")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -73,6 +77,8 @@ def main():
         result["lora"] = sweep_lora(setup)
     if "decode_lora" in sections:
         result["decode_lora"] = sweep_decode_lora(setup)
+    if "lora_producers" in sections:
+        result["lora_producers"] = sweep_lora_producers(setup)
     if "graphs" in sections and not cuda:
         result["graphs"] = CPU_SKIPS["graphs"]
     elif "graphs" in sections:
@@ -275,12 +281,14 @@ L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not
 SETUPS = {"cuda": {"checkpoint": CONFIG, "dtype": "bfloat16", "tokens": 128, "repeat": 50, "attention_calls": 200,
                    "ttft_requests": 30, "decode_batches": (1, 64, 256), "decode_steps": 200, "adapter_batch": (64, 3),
                    "shapes": SHAPES, "lora_shape": SHAPES["Qwen2.5-0.5B"], "linear_rows": LINEAR_ROWS,
-                   "lora_rows": (64, 256), "decode_lora_rows": DECODE_LORA_ROWS, "adapters": 8,
+                   "lora_rows": (64, 256), "decode_lora_rows": DECODE_LORA_ROWS, "producer_rows": (64, 256),
+                   "adapters": 8,
                    "weights": "random, in the models' shapes: times only"},
           "cpu": {"checkpoint": TINY_CONFIG, "dtype": "float32", "tokens": 16, "repeat": 3, "attention_calls": 5,
                   "ttft_requests": 4, "decode_batches": (1, 4), "decode_steps": 8, "adapter_batch": (4, 1),
                   "shapes": {"tiny": TINY_CONFIG}, "lora_shape": TINY_CONFIG, "linear_rows": LINEAR_ROWS,
-                  "lora_rows": (16,), "decode_lora_rows": ((1, (0, 1)), (4, (0, 1, 2))), "adapters": 2,
+                  "lora_rows": (16,), "decode_lora_rows": ((1, (0, 1)), (4, (0, 1, 2))), "producer_rows": (20, 72),
+                  "adapters": 2,
                   "weights": "random, tiny Qwen2 (TINY_CONFIG) in float32, Triton in its interpreter: the CPU smoke, "
                              "whose numbers only show that the path runs"}}
 # What the CPU cannot measure, and why: those fields say so rather than hold numbers.
@@ -432,6 +440,57 @@ def sweep_lora(setup: dict, rank: int = 16) -> list[dict]:
             rows_out.append(row)
             print(f"lora_add_ {proj:>8} rows {m:>3}: " + ", ".join(
                 f"{1e3 * timed[t]:.1f} {t}" for t in sorted(timed, key=timed.get)[:4]), flush=True)
+    return rows_out
+
+
+def sweep_lora_producers(setup: dict, rank: int = 16) -> list[dict]:
+    """The launches that compute a LoRA step's shrinks in steps of more than decode_linear's rows (kernels/lora.py's
+    columns layout), each beside the base step's launch it replaces or joins: the add + RMSNorm before q/k/v and
+    before gate-up with their shrinks (past kernels.lora.ROW_SHRINK_MAX_ROWS with the tiles' launch after it)
+    against add_rms_norm_; down's input silu(gate) * up with its shrinks against silu_mul; past the norms' rows o's
+    input with its shrinks, where the base step launches nothing (up to them the attention's merge computes them).
+    The Qwen2.5-0.5B shape, `adapters` slots on a 5% share of the rows (as in benchmarks/lora.py's served phase) and
+    on all; each alone, 24 calls in a CUDA graph with PDL as a step's are, the slots read from HBM."""
+    import numpy as np
+
+    from kernels.elementwise import add_rms_norm_, add_rms_norm_shrinks, columns_input, silu_mul
+    from kernels.lora import ROW_SHRINK_MAX_ROWS, lora_tiles, max_tiles, used_tiles
+
+    device, dtype, slots = setup["device"], getattr(torch, setup["dtype"]), setup["adapters"]
+    cases = lora_cases(setup["lora_shape"], rank)
+    slot_copies = {group: hbm_copies(slots, case[-1], device=device) for group, case in cases.items()}
+    scales = torch.full((slots,), 2.0, device=device)
+    h, inter = setup["lora_shape"]["hidden_size"], setup["lora_shape"]["intermediate_size"]
+    rows_out = []
+    for m in setup["producer_rows"]:
+        x, residual, att = (torch.randn(m, h, device=device, dtype=dtype) for _ in range(3))
+        norm = torch.rand(h, device=device, dtype=dtype)
+        gate, up = (torch.randn(m, inter, device=device, dtype=dtype) for _ in range(2))
+        add_norm = lambda i: add_rms_norm_(x, residual, norm, 1e-6)  # noqa: E731
+        base = {"qkv_norm": add_norm, "gate_up_norm": add_norm, "down_input": lambda i: silu_mul(gate, up),
+                "o_input": None}
+        for adapter_rows in (max(1, m // 20), m):
+            row_slots = np.full(m, -1, dtype=np.int32)
+            row_slots[:adapter_rows] = np.arange(adapter_rows) % slots
+            tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(m, slots))).to(device)
+            num_tiles = used_tiles(tiles, m, slots)
+
+            def lora(group: str, i: int) -> tuple:  # the group's slots (a copy in HBM), scales, tiles, A offsets
+                copies = slot_copies[group]
+                return copies[i % len(copies)], scales, tiles, rank, [a for _, a, _ in cases[group][4]]
+
+            calls = {f"{group}_norm": lambda i, group=group: add_rms_norm_shrinks(
+                x, residual, norm, 1e-6, lora(group, i), columns=True) for group in ("qkv", "gate_up")}
+            calls["down_input"] = lambda i: columns_input(gate, *lora("down", i), num_tiles, up=up)
+            if m > ROW_SHRINK_MAX_ROWS:
+                calls["o_input"] = lambda i: columns_input(att, *lora("o", i), num_tiles)
+            for producer, call in calls.items():
+                row = {"rows": m, "adapter_rows": adapter_rows, "producer": producer,
+                       "base_us": base[producer] and 1e3 * call_ms(base[producer], device),
+                       "lora_us": 1e3 * call_ms(call, device)}
+                rows_out.append(row)
+                print(f"LoRA producer {producer:>12} rows {m:>3}, {adapter_rows:>3} on adapters: {row['lora_us']:.2f} "
+                      f"us against {row['base_us'] or 0:.2f}", flush=True)
     return rows_out
 
 

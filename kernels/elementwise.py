@@ -1,7 +1,8 @@
 """The decoder's elementwise work in one kernel each, for inference: RMSNorm, rotary embedding (in place) and the
-SwiGLU gate. Eager PyTorch runs each as several small kernels; a small model's step is bound by launches, and a
-compiler (torch.compile) adds seconds to every start and tens of microseconds to every call. Math in float32,
-rounded once at the end. The PyTorch references are the eager layers of service/model/layers.py."""
+SwiGLU gate (with, where adapters are served, the LoRA shrinks of the projections that read their results). Eager
+PyTorch runs each as several small kernels; a small model's step is bound by launches, and a compiler
+(torch.compile) adds seconds to every start and tens of microseconds to every call. Math in float32, rounded once
+at the end. The PyTorch references are the eager layers of service/model/layers.py."""
 import torch
 import triton
 import triton.language as tl
@@ -13,7 +14,10 @@ from kernels.lora import (
     _store_columns,
     _update_pair,
     _with_update,
+    columns_shrinks_,
+    lora_shrink,
     shrink_chunks_args,
+    tiled_columns,
     tiled_shrinks_after_norm,
 )
 
@@ -296,3 +300,16 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = No
         _silu_mul_kernel[(gate.shape[0], triton.cdiv(n, block))](gate, up, result, gate.stride(0), up.stride(0),
                                                                  result.stride(0), n, BLOCK=block)
     return result.view(shape) if out is None else out
+
+
+def columns_input(x: torch.Tensor, weights: torch.Tensor, scales: torch.Tensor, tiles: torch.Tensor, rank: int,
+                  a_offsets: list[int], num_tiles: int, up: torch.Tensor | None = None) -> torch.Tensor:
+    """[x | shrinks] in kernels.lora's columns layout for projections whose input no norm produced (o; down, whose
+    input silu(x) * up this computes too, up given): one lora_shrink launch; or, where the shrinks come from tiles
+    (kernels.lora.tiled_columns) and up is given, silu_mul into the columns and the tiles' launch after it."""
+    rows, k = x.shape
+    if up is not None and tiled_columns(rows):
+        t = x.new_empty(rows, k + len(a_offsets) * weights.shape[0] * rank)
+        silu_mul(x, up, out=t[:, :k])
+        return columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets, num_tiles)
+    return lora_shrink(x, weights, scales, tiles, rank, a_offsets, num_tiles, columns=True, up=up)

@@ -16,7 +16,14 @@ from benchmarks import step_profile
 from benchmarks.generate import TINY_CONFIG
 from benchmarks.provenance import git_commit
 from kernels.decode_linear import decode_linear, decode_linear_ref
-from kernels.lora import lora_add_, lora_add_ref, lora_tiles, max_tiles
+from kernels.lora import (
+    ROW_SHRINK_MAX_ROWS,
+    TILE_SHRINK_MIN_ROWS,
+    lora_add_,
+    lora_add_ref,
+    lora_tiles,
+    max_tiles,
+)
 from tests.helpers import rel_err, run_benchmark
 
 CPU = step_profile.SETUPS["cpu"]
@@ -98,6 +105,15 @@ def test_the_smokes_sweeps_time_every_configuration_of_each_cell(smoke):
     assert cells == [(proj, m, sorted(f"us_{c}" for c in counts)) for proj in widths
                      for m, counts in CPU["decode_lora_rows"]]
     assert all(r[k] > 0 for r in result["decode_lora"] for k in r if k.startswith("us_"))
+    # the shrinks' producers: the norms and the SwiGLU gate at both sizes, o's input past the norms' rows, where the
+    # tiles compute the shrinks (the smoke's larger size reaches them)
+    assert max(CPU["producer_rows"]) >= TILE_SHRINK_MIN_ROWS > ROW_SHRINK_MAX_ROWS
+    producers = {(r["rows"], r["adapter_rows"], r["producer"]): r for r in result["lora_producers"]}
+    assert set(producers) == {(m, a, name) for m in CPU["producer_rows"] for a in (max(1, m // 20), m)
+                              for name in ("qkv_norm", "gate_up_norm", "down_input")
+                              + (("o_input",) if m > ROW_SHRINK_MAX_ROWS else ())}
+    for (_, _, name), row in producers.items():
+        assert row["lora_us"] > 0 and (row["base_us"] is None if name == "o_input" else row["base_us"] > 0), row
 
 
 def test_every_swept_decode_linear_configuration_computes_the_projection():

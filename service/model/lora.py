@@ -461,22 +461,15 @@ def slot_columns(linears, rows: int, normed: bool) -> torch.Tensor | None:
 
 
 def slot_columns_input(x: torch.Tensor, linears, up: torch.Tensor | None = None) -> torch.Tensor:
-    """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down): one
-    kernels.lora.lora_shrink launch. up: x is the gate and up the up projection of the SwiGLU whose result
-    silu(x) * up the projections read (down), computed in the same launch; or, where the shrinks come from tiles
-    (kernels.lora.tiled_columns), by kernels.elementwise.silu_mul into the columns before them."""
-    from kernels.lora import columns_shrinks_, lora_shrink, tiled_columns, used_tiles
+    """[x | shrinks] in the columns layout for projections whose input no norm produced (o, down; up: x is the gate
+    and up the up projection of the SwiGLU whose result the projections read): kernels.elementwise.columns_input
+    with the slots this thread serves from."""
+    from kernels.elementwise import columns_input
+    from kernels.lora import used_tiles
 
     weights, scales, tiles, rank, parts = slot_lora(linears)
-    rows, k = x.shape
-    a_offsets, num_tiles = [a_at for _, a_at, _ in parts], used_tiles(tiles, rows, weights.shape[0])
-    if up is not None and tiled_columns(rows):
-        from kernels.elementwise import silu_mul
-
-        t = x.new_empty(rows, k + len(parts) * weights.shape[0] * rank)
-        silu_mul(x, up, out=t[:, :k])
-        return columns_shrinks_(t, k, weights, scales, tiles, rank, a_offsets, num_tiles)
-    return lora_shrink(x, weights, scales, tiles, rank, a_offsets, num_tiles, columns=True, up=up)
+    return columns_input(x, weights, scales, tiles, rank, [a_at for _, a_at, _ in parts],
+                         used_tiles(tiles, x.shape[0], weights.shape[0]), up=up)
 
 
 def eager_adapters_active() -> bool:
