@@ -472,7 +472,7 @@ def _tile_columns_kernel(X, UP, W, SCALES, TILES, T, SUMS, COUNTS, stride_x, str
                          A0, A1, A2, NUM_TILES: tl.constexpr, TILES_PADDED: tl.constexpr, PARTS: tl.constexpr,
                          CHUNKS: tl.constexpr, RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          COPY_ROWS: tl.constexpr, COPY_K: tl.constexpr, SLOTS: tl.constexpr,
-                         SLOTS_PADDED: tl.constexpr, SHRINK_COLS_PADDED: tl.constexpr, COPY: tl.constexpr,
+                         SHRINK_COLS_PADDED: tl.constexpr, COPY: tl.constexpr,
                          SILU: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
     """lora_shrink's columns layout (T: [rows, K + PARTS * SLOTS * RANK]) from tiles of one slot's rows.
     The first NUM_TILES * PARTS * CHUNKS programs (tile, p, c): the tile's rows times its slot's A of projection p
@@ -574,7 +574,6 @@ def _tile_columns(x, up, weights, scales, tiles, rank, a_offsets, num_tiles, t, 
         x.stride(0) if up is None else up.stride(0), weights.stride(0), t.stride(0), rows, k, *offsets,
         NUM_TILES=num_tiles, TILES_PADDED=triton.next_power_of_2(max(num_tiles, 2)), PARTS=parts, CHUNKS=chunks,
         RANK=rank, BLOCK_M=BLOCK_M, BLOCK_K=block_k, COPY_ROWS=copy_rows, COPY_K=copy_k, SLOTS=slots,
-        SLOTS_PADDED=triton.next_power_of_2(max(slots, 2)),
         SHRINK_COLS_PADDED=triton.next_power_of_2(parts * slots * rank), COPY=copy, SILU=up is not None,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch(x.device))
 
