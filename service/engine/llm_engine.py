@@ -514,21 +514,25 @@ class LLMEngine:
         if bound:
             json_rows = [i for i, row in enumerate(bound) if seqs[row].params.grammar.kind == "json"]
             words = self.grammars.fill_masks([seqs[row].matcher for row in bound], json_rows)
+            # One pass over all rows' masks; a row's own checks only where it allows nothing or has bans (a
+            # torch call and a matcher call per row cost the step's host tens of microseconds each 64 rows).
+            allows = words.any(dim=1).tolist()
             for i, row in enumerate(bound):
-                self._check_mask(seqs[row], words[i], banned[row] if banned else None, outputs)
+                if not allows[i] or (banned and banned[row]):
+                    self._check_mask(seqs[row], words[i], allows[i], banned[row] if banned else None, outputs)
             masks = words, bound
         return self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                             [s.token_ids for s in seqs] if history else None,
                             [s.num_prompt_tokens for s in seqs] if history else None, banned, masks)
 
-    def _check_mask(self, seq: Sequence, mask: torch.Tensor, banned: list[int] | None,
+    def _check_mask(self, seq: Sequence, mask: torch.Tensor, allows_any: bool, banned: list[int] | None,
                     outputs: list[RequestOutput]) -> None:
-        """A grammar row's mask beside its bans. A grammar that allows nothing but what min_tokens bans is
-        complete: it wins, and the ban goes. One that allows nothing at all is at a dead end: the request ends with
-        an error rather than a token the grammar refuses."""
+        """A grammar row's mask (allows_any: whether it allows some token) beside its bans. A grammar that allows
+        nothing but what min_tokens bans is complete: it wins, and the ban goes. One that allows nothing at all is
+        at a dead end: the request ends with an error rather than a token the grammar refuses."""
         if seq.status is Status.FINISHED or seq.matcher.is_terminated():  # ended by the step before, say
             return
-        if not self.grammars.allows_any(mask):
+        if not allows_any:
             mask.fill_(-1)  # its token is dropped: keep the row's logits finite
             outputs.append(RequestOutput(seq.request_id, error=GRAMMAR_DEAD_END, error_code="invalid_grammar"))
             self.abort(seq.request_id)
