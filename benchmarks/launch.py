@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from triton.testing import do_bench
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bar_chart import grouped_bars  # noqa: E402
 from benchmarks.provenance import git_commit  # noqa: E402
-from benchmarks.timing import synchronize  # noqa: E402
+from benchmarks.timing import wall_ms  # noqa: E402
 from kernels.interface import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from kernels.prefill import flash_attn_forward  # noqa: E402
 
@@ -36,20 +35,10 @@ SETUPS = {"cuda": {"shapes": [(1, 128), (4, 512), (16, 1024)], "heads": 16, "hea
 
 
 def host_us(fn, device: str, calls: int, warmup: int) -> float:
+    # Each call from an idle GPU, so the time is the call's host work alone: with 50 calls between synchronizations
+    # the Gluon forward at 16 x 1024 (GPU time 157 us, host time about 70) read 148 us, its calls waiting on the GPU.
     # On the CPU there is no queue to drain: the call's time is all host time (the interpreter's included).
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(calls):
-        # From an idle GPU, so the time is the call's host work alone: with 50 calls between synchronizations the
-        # Gluon forward at 16 x 1024 (GPU time 157 us, host time about 70) read 148 us, its calls waiting on
-        # the GPU.
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    synchronize(device)
-    return 1e6 * sorted(times)[len(times) // 2]
+    return 1e3 * wall_ms(fn, reps=calls, warmup=warmup, device=device, until_done=False)
 
 
 def measure(batch: int, seqlen: int, device: str, setup: dict) -> dict:

@@ -53,10 +53,11 @@ def synchronize(device) -> None:
         torch.cuda.synchronize()
 
 
-def wall_ms(fn, reps: int = 3, warmup: int = 1, device="cpu") -> float:
+def wall_ms(fn, reps: int = 3, warmup: int = 1, device="cpu", until_done: bool = True) -> float:
     """Median wall-clock milliseconds of one call of fn, after `warmup` calls, each timed from an idle `device` to
     the end of its work: on the CPU the smokes' stand-in for CUDA events and do_bench, whose numbers only show that
-    the call ran (Triton's interpreter times nothing real); on the GPU a call's host and GPU time together."""
+    the call ran (Triton's interpreter times nothing real); on the GPU a call's host and GPU time together.
+    until_done False: each call timed to its return, its host time alone (the device drained after the last)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -64,6 +65,8 @@ def wall_ms(fn, reps: int = 3, warmup: int = 1, device="cpu") -> float:
         synchronize(device)
         start = time.perf_counter()
         fn()
-        synchronize(device)
+        if until_done:
+            synchronize(device)
         times.append(time.perf_counter() - start)
+    synchronize(device)
     return 1e3 * sorted(times)[reps // 2]
