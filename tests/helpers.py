@@ -1,4 +1,5 @@
-"""Shared test helpers: the kernel tests' error measure and inputs, and the benchmarks' smokes as subprocesses."""
+"""Shared test helpers: the kernel tests' error measure and inputs, and the benchmarks' smokes as subprocesses with
+what they leave where a GPU number would be."""
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def cu_seqlens(lengths: list[int], device) -> torch.Tensor:
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
     return cu.to(device)
+
+
+def is_skip_reason(text) -> bool:
+    """Whether a benchmark's CPU smoke left `text` where a GPU number would be: "skipped on the CPU: " and why."""
+    skipped = "skipped on the CPU: "
+    return isinstance(text, str) and text.startswith(skipped) and len(text) > len(skipped)
 
 
 def run_benchmark(script: str, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:

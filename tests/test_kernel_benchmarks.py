@@ -11,9 +11,7 @@ import torch
 
 from benchmarks import attention, decode, launch
 from benchmarks.provenance import git_commit
-from tests.helpers import rel_err, run_benchmark
-
-SKIPPED = "skipped on the CPU: "
+from tests.helpers import is_skip_reason, rel_err, run_benchmark
 
 
 def run_smoke(script: str, out: Path) -> dict:
@@ -24,10 +22,6 @@ def run_smoke(script: str, out: Path) -> dict:
     result = json.loads((out / f"{script}.json").read_text())
     assert result["gpu"] == "cpu" and result["commit"] == git_commit(), result
     return result
-
-
-def is_reason(text) -> bool:
-    return isinstance(text, str) and text.startswith(SKIPPED) and len(text) > len(SKIPPED)
 
 
 def test_attention_smoke_times_ours_and_sdpa_math_and_skips_the_gpu_peers(tmp_path):
@@ -43,9 +37,9 @@ def test_attention_smoke_times_ours_and_sdpa_math_and_skips_the_gpu_peers(tmp_pa
         if provider in ("ours", "sdpa_math"):  # forward and backward timed, through the interpreter for ours
             assert row["error"] is None and row["fwd_tflops"] > 0 and row["bwd_tflops"] > 0, row
         else:
-            assert is_reason(row["error"]) and row["fwd_tflops"] is row["bwd_tflops"] is None, row
+            assert is_skip_reason(row["error"]) and row["fwd_tflops"] is row["bwd_tflops"] is None, row
     assert set(result["peak_memory_mib"]) == {"ours", "sdpa_flash"}
-    assert all(is_reason(why) for why in result["peak_memory_mib"].values()), result["peak_memory_mib"]
+    assert all(is_skip_reason(why) for why in result["peak_memory_mib"].values()), result["peak_memory_mib"]
     varlen = result["varlen"]
     assert varlen["num_seqs"] == cpu["varlen"]["num_seqs"] and varlen["varlen_tflops"] > 0, varlen
     assert varlen["fixed_tflops"] > 0 and varlen["ratio"] == varlen["varlen_tflops"] / varlen["fixed_tflops"]
@@ -76,7 +70,7 @@ def test_decode_smoke_times_our_paged_kernel_and_sdpa_math_and_skips_the_gpu_pee
         assert set(row["tbps"]) == {"ours bs16", "ours bs128", "sdpa math"}, row
         assert all(tbps > 0 for tbps in row["tbps"].values()), row
         assert set(row["errors"]) == {"sdpa flash", "sdpa cudnn", "flex"}, row
-        assert all(is_reason(why) for why in row["errors"].values()), row
+        assert all(is_skip_reason(why) for why in row["errors"].values()), row
 
 
 def test_launch_smoke_times_every_api_layer_and_skips_the_gpu_time(tmp_path):
@@ -88,4 +82,4 @@ def test_launch_smoke_times_every_api_layer_and_skips_the_gpu_time(tmp_path):
     for row in result["rows"]:
         assert set(row) == layers | {"batch", "seqlen", "gpu_us"}, row
         assert all(row[name] > 0 for name in layers), row
-        assert is_reason(row["gpu_us"]), row
+        assert is_skip_reason(row["gpu_us"]), row

@@ -24,10 +24,9 @@ from kernels.lora import (
     lora_tiles,
     max_tiles,
 )
-from tests.helpers import rel_err, run_benchmark
+from tests.helpers import is_skip_reason, rel_err, run_benchmark
 
 CPU = step_profile.SETUPS["cpu"]
-SKIPPED = "skipped on the CPU: "
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +36,6 @@ def smoke(tmp_path_factory) -> tuple[dict, Path]:
     run_benchmark("step_profile", "--device", "cpu", "--out", str(out), timeout=120,
                   env={**os.environ, "TRITON_INTERPRET": "1"})
     return json.loads((out / "step_profile.json").read_text()), out
-
-
-def is_reason(text) -> bool:
-    return isinstance(text, str) and text.startswith(SKIPPED) and len(text) > len(SKIPPED)
 
 
 def profiled_functions(text: str) -> list[str]:
@@ -53,7 +48,7 @@ def test_the_smoke_names_the_cpu_and_its_commit_and_skips_the_graphs_section(smo
     result, out = smoke
     assert result["gpu"] == "cpu" and result["commit"] == git_commit() and result["weights"] == CPU["weights"]
     assert result["torch"] == torch.__version__ and result["date"]
-    assert is_reason(result["graphs"]), result["graphs"]
+    assert is_skip_reason(result["graphs"]), result["graphs"]
     assert not (out / "step_profile.png").exists()  # the plot is the graphs section's: none without it
 
 
@@ -62,7 +57,7 @@ def test_the_smoke_times_a_prefill_step_the_attention_call_and_the_engines_ttft(
     assert (result["tokens"], result["layers"]) == (CPU["tokens"], TINY_CONFIG["num_hidden_layers"])
     for key in ("step_wall_ms", "attention_call_host_us", "attention_call_wall_ms", "engine_ttft_ms"):
         assert result[key] > 0, key
-    assert is_reason(result["step_gpu_ms"]) and result["prefill_graphs"] == 0  # eager steps: no CUDA graphs
+    assert is_skip_reason(result["step_gpu_ms"]) and result["prefill_graphs"] == 0  # eager steps: no CUDA graphs
     # where the host time goes: torch.profiler's table of the forward's ops, cProfile's of the engine's steps
     assert "Self CPU time total" in result["prefill_profile"] and "aten::" in result["prefill_profile"]
     functions = profiled_functions(result["engine_ttft_profile"])
@@ -78,7 +73,7 @@ def test_the_smoke_times_decode_steps_at_each_batch_and_with_an_adapter(smoke):
     for batch, profile in result["decode_profiles"].items():  # the steps' projections among the costliest
         functions = profiled_functions(profile)
         assert len(functions) >= 12 and any("linear" in f for f in functions), (batch, profile)
-    assert is_reason(result["decode_graph_ms"]), result["decode_graph_ms"]
+    assert is_skip_reason(result["decode_graph_ms"]), result["decode_graph_ms"]
 
 
 def test_the_smokes_sweeps_time_every_configuration_of_each_cell(smoke):
