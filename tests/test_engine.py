@@ -622,6 +622,24 @@ def test_grammar_masks_of_many_rows_filled_on_threads_equal_those_filled_one_by_
     grammars.shutdown()
 
 
+def test_cheap_grammar_masks_go_back_to_one_thread_after_a_step_on_threads(monkeypatch):
+    """A step that shared its rows among threads judges the next by the rows' own CPU time: handing 64 cheap rows out
+    (any-JSON masks on the embedded vocabulary) costs more than filling them, and judging by the shared step's wall
+    time kept every later step on threads (the constrained decode's 0.36x on an H200)."""
+    from service.engine import grammar as grammar_module
+    from service.engine.grammar import Grammars
+
+    grammars = Grammars(DEFAULT_MODEL_DIR, 4096, [2], fill_threads=8)
+    matchers = [grammars.matcher(grammars.compile(Grammar("json")).result()) for _ in range(64)]
+    spread_ms = grammar_module.SPREAD_MS
+    monkeypatch.setattr(grammar_module, "SPREAD_MS", 0.0)  # as after a dear step: this one is shared
+    for _ in range(3):
+        grammars.fill_masks(matchers, json_rows=list(range(64)))
+        assert len(matchers) * grammars._row_ms < spread_ms  # the next step, at the shipped threshold: one thread
+    assert len(grammars._fill_pool._threads) > 1  # the rows were shared
+    grammars.shutdown()
+
+
 def test_the_tokenizers_eos_id_is_read_from_its_files(model_dir):
     """The engine core takes the tokenizer's EOS id from tokenizer_config.json and tokenizer.json, without loading
     the tokenizer: it must be the id the tokenizer itself has."""

@@ -35,11 +35,13 @@ SPARE_THREADS = 2  # for compiles nobody waits for any more (timed out, or their
 # benchmarks/serve.py's word-level 151,936-token vocabulary under a regex of its words, on the development machine's
 # CPU), and the step waits on the sum. Half the cores, at most 8: several engine cores share a host under data
 # parallelism. The rows are shared out only where the last step's masks, filled one after another, would take
-# SPREAD_MS or more: handing rows to threads costs ~0.1 ms, more than 64 rows of JSON masks on the embedded model's
-# vocabulary take in all (benchmarks/structured.py --sections masks).
+# SPREAD_MS or more: inside the engine, with the GPU's step in flight, handing rows out costs about a millisecond (on
+# the H200 machine's host, 64 rows of JSON masks on the embedded model's vocabulary, 0.3-0.4 ms one after another,
+# took 1.25 ms on 8 threads, 0.75 on 2, 0.65-0.74 with xgrammar's BatchGrammarMatcher), where apart from the engine
+# the same rows take 0.15 ms on 8 threads (benchmarks/structured.py --sections masks).
 _CPUS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # ours to use
 FILL_THREADS = max(1, min(8, _CPUS // 2))
-SPREAD_MS = 0.5
+SPREAD_MS = 1.5
 TOO_SLOW_REMEMBERED = 1024  # grammars that timed out, refused at once when asked for again
 # xgrammar's messages start with a timestamp and a C++ source location: the client needs neither.
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -65,7 +67,7 @@ class Grammars:
         self.cache_bytes = cache_bytes
         self._compiler = self._json_tokens = None
         self._fill_pool = ThreadPoolExecutor(fill_threads, thread_name_prefix="grammar-masks")
-        self._row_ms = 0.0  # a mask's milliseconds at the last step, as filled alone
+        self._row_ms = 0.0  # a mask's CPU milliseconds at the last step
         self._starting = threading.Lock()  # the first compiles, on two threads, start the compiler once
         self._pool = ThreadPoolExecutor(COMPILE_THREADS + SPARE_THREADS, thread_name_prefix="grammar")
         self._live: dict[int, list] = {}  # id of a compiled grammar running requests hold -> [it, bytes, holders]
@@ -178,18 +180,21 @@ class Grammars:
         masks = torch.full((len(matchers), self.words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
         live = [row for row, matcher in enumerate(matchers) if not matcher.is_terminated()]
 
-        def fill(rows: list[int]) -> None:
+        def fill(rows: list[int]) -> float:
+            """Fills rows; their CPU seconds. The rows' own work, not the wall time, decides the next step: the
+            wall time of shared rows holds the handing out, and judging by it kept cheap masks on threads."""
+            start = time.thread_time()
             for row in rows:
                 matchers[row].fill_next_token_bitmask(masks, row)
+            return time.thread_time() - start
 
         threads = min(self._fill_threads, len(live)) if len(live) * self._row_ms >= SPREAD_MS else 1
-        start = time.perf_counter()
         if threads > 1:
-            list(self._fill_pool.map(fill, [live[i::threads] for i in range(threads)]))
+            seconds = sum(self._fill_pool.map(fill, [live[i::threads] for i in range(threads)]))
         else:
-            fill(live)
+            seconds = fill(live)
         if live:
-            self._row_ms = (time.perf_counter() - start) * 1e3 * threads / len(live)
+            self._row_ms = seconds * 1e3 / len(live)
         if len(json_rows) == len(matchers):
             masks &= self._json_tokens
         else:
