@@ -84,10 +84,16 @@ def _add_at(logits, entries: list[tuple[int, int, float]]) -> None:
 
 def _apply_token_masks(logits, masks: torch.Tensor, rows: list[int]) -> None:
     """Grammars: sets the logits of the tokens each row's mask forbids to -inf. masks: [len(rows), words] int32
-    bits (bit j of word w allows token 32 w + j), in pinned memory; ids past the masks are forbidden."""
+    bits (bit j of word w allows token 32 w + j), in pinned memory; ids past the masks are forbidden. On CUDA,
+    kernels/token_masks.py."""
     device = logits.device
-    index = on_device(rows, device)
     words = masks.to(device, non_blocking=True)
+    if device.type == "cuda":
+        from kernels.token_masks import apply_token_masks_
+        every_row = len(rows) == logits.shape[0]  # distinct rows of the batch: all of them, in order
+        apply_token_masks_(logits, words, None if every_row else on_device(rows, device))
+        return
+    index = on_device(rows, device)
     bits = torch.arange(32, device=device, dtype=torch.int32)
     allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)[:, :logits.shape[-1]]
     if allowed.shape[1] < logits.shape[-1]:
