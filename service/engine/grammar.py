@@ -14,6 +14,7 @@ CPU while the GPU runs the step's forward pass, and the sampler applies them to 
 """
 import json
 import logging
+import math
 import os
 import re
 import threading
@@ -66,6 +67,7 @@ class Grammars:
         self.vocab_size = vocab_size  # until the tokenizer has loaded (the first grammar's compile)
         self.cache_bytes = cache_bytes
         self._compiler = self._json_tokens = None
+        self.ready_at: float | None = None  # time.monotonic() when the compiler had started (the first compile)
         self._fill_pool = ThreadPoolExecutor(fill_threads, thread_name_prefix="grammar-masks")
         self._row_ms = 0.0  # a mask's CPU milliseconds at the last step
         self._starting = threading.Lock()  # the first compiles, on two threads, start the compiler once
@@ -114,6 +116,7 @@ class Grammars:
                                                   stop_token_ids=self._stop_token_ids)
         self._json_tokens = self._without_control_bytes(info.decoded_vocab)
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+        self.ready_at = time.monotonic()
 
     def _without_control_bytes(self, decoded_vocab: list[bytes]) -> torch.Tensor:
         """Bits of the tokens with no control character. JSON strings must escape those, but xgrammar's strings
@@ -286,7 +289,7 @@ class CompileQueue:
         ready, refused, running, pending = [], [], 0, 0
         for key, entry in list(self._queue.items()):
             if entry.future is not None:
-                if not entry.future.done() and now < entry.deadline:
+                if not entry.future.done() and now < self._deadline(entry):
                     running += 1
                     continue
                 reason = self._outcome(key, entry)
@@ -308,6 +311,14 @@ class CompileQueue:
                 entry.deadline = now + self.timeout
                 running += 1
         return ready, refused
+
+    def _deadline(self, entry: _Compile) -> float:
+        """When a running compile times out: its timeout counts from the compiler's start for the first grammars,
+        which wait on it (xgrammar's import and the vocabulary's reading: half a second for a 151,936-token one on
+        the development machine, more on a slower host), time that says nothing of theirs. Never while it
+        starts."""
+        ready_at = self.grammars.ready_at
+        return math.inf if ready_at is None else max(entry.deadline, ready_at + self.timeout)
 
     def _outcome(self, key, entry: _Compile) -> str | None:
         """Takes a compile that ended or ran out of time: None once entry.compiled holds the grammar, else why its
@@ -335,6 +346,9 @@ class CompileQueue:
         self._drop(key)
 
     def seconds_to_deadline(self) -> float | None:
-        """Until the first running compile times out; None when none runs."""
-        deadlines = [e.deadline for e in self._queue.values() if e.future is not None and not e.future.done()]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        """Until the first running compile times out (while the compiler starts, a timeout from now: its deadline
+        is known then); None when none runs."""
+        now = time.monotonic()
+        deadlines = [min(self._deadline(e), now + self.timeout) for e in self._queue.values()
+                     if e.future is not None and not e.future.done()]
+        return max(0.0, min(deadlines) - now) if deadlines else None
