@@ -414,7 +414,8 @@ class EngineCore:
 
     def _record_gpu_memory(self) -> None:
         now = time.monotonic()
-        if not torch.cuda.is_available() or now - self._gpu_memory_at < GPU_MEMORY_INTERVAL:
+        # The engine's device, not the host's: a CPU engine may run where CUDA is available (tests on a GPU host).
+        if self.engine.device.type != "cuda" or now - self._gpu_memory_at < GPU_MEMORY_INTERVAL:
             return
         self._gpu_memory_at = now
         device = self.engine.device
