@@ -6,13 +6,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from server import scrape, service_process, sse_events
+from server import ROOT, scrape, service_process, sse_events
 
 LONG = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
 
@@ -211,3 +213,26 @@ def test_a_signal_with_nothing_in_flight_stops_the_service_at_once():
         service.process.send_signal(signal.SIGTERM)
         assert service.process.wait(timeout=30) == 0
         assert time.monotonic() - start < 5
+
+
+def test_a_front_end_waiting_for_its_engine_core_stops_at_once_on_a_signal(tmp_path):
+    """A front-end still starting (waiting for an engine core that will not answer: it died loading, say) leaves on
+    the launcher's SIGTERM at once, where it used to sit out the launcher's whole stop timeout before a SIGKILL."""
+    start_front_end = ("import sys; from service.config import Settings; from service.launcher import bind, "
+                       "frontend_main; frontend_main(Settings(device='cpu', log_level='info'), [sys.argv[1]], "
+                       "bind('127.0.0.1', 0), 0)")
+    front_end = subprocess.Popen([sys.executable, "-c", start_front_end, f"ipc://{tmp_path / 'nobody.sock'}"],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in front_end.stdout:  # until uvicorn runs the app's startup (its signal handlers are in place)
+            if "Waiting for application startup" in line:
+                break
+        time.sleep(0.5)
+        assert front_end.poll() is None  # still waiting for the core
+        start = time.monotonic()
+        front_end.send_signal(signal.SIGTERM)
+        front_end.wait(timeout=30)
+        assert time.monotonic() - start < 5
+    finally:
+        front_end.kill()
+        front_end.communicate()

@@ -272,6 +272,7 @@ class EngineClient:
         running then end with an error (an error event in a stream, a 500 otherwise), before the server closes
         their connections."""
         self.accepting = False
+        self._ready.set()  # a signal during startup: no core to wait for any more (one may have died loading)
         asyncio.get_running_loop().call_later(seconds, self.fail_all,
                                               EngineStepError("the server shut down before the request finished"))
 
@@ -445,7 +446,7 @@ class EngineClient:
                 log.error("the other engine cores cannot serve adapter %s (%s): %s", name, path, e)
 
     async def wait_ready(self) -> None:
-        """Returns once every engine core has answered and the tokenizer is loaded."""
+        """Returns once every engine core has answered and the tokenizer is loaded, or once draining."""
         await self._ready.wait()
 
     def _on_admitted(self, core: CoreLink, message: Admitted) -> None:
