@@ -27,8 +27,8 @@ step_profile.json (and step_profile.png, the graphs section's).
 kernels in its interpreter (TRITON_INTERPRET=1): the prefill of 16-token prompts, decode steps at batch 1 and 4, the
 sweeps on that shape's projections (lora at 16 rows, decode_lora at 1 and 4, lora_producers at 20 and 72 rows, past
 the norms' 64 the tiles; over 2 adapters), each sweep cell the wall clock of one eager call (cublas_us: torch's
-linear on the CPU). What needs CUDA (the graphs section, GPU times, graph replays) is recorded as skipped with why. Its numbers only show that the path runs (CI:
-tests/test_step_profile_benchmark.py).
+linear on the CPU). What needs CUDA (the graphs section, GPU times, graph replays) is recorded as skipped with
+why. Its numbers only show that the path runs (CI: tests/test_step_profile_benchmark.py).
 """
 import argparse
 import cProfile
