@@ -567,7 +567,7 @@ def plot(result: dict, path: Path) -> None:
     workloads.axhline(1.0, color="gray", lw=0.8)
     workloads.set(ylabel="tokens/s over plain decoding", title="n-gram proposals, embedded model")
     for ax in (verify, forced):
-        if ax.lines:
+        if ax.get_legend_handles_labels()[0]:  # forced's unlabelled line at 1.0 is there without its section
             ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
