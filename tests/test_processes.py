@@ -1,10 +1,12 @@
 """The service as processes (CPU, embedded model): the launcher, one engine core and its HTTP front-ends over
 ZeroMQ. Two front-ends serve one core; a storm of clients that leave mid-stream leaves no KV block in use; a killed
 engine core fails its requests cleanly, /health turns 503 and the launcher exits non-zero for its supervisor; a drain
-keeps answering new connections (429, /health 503) until its requests end, and nothing in flight ends it at once."""
+keeps answering new connections (429, /health 503) until its requests end, and nothing in flight ends it at once; a
+core that cannot load its model, or a front-end waiting for one, stops at once."""
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server import ROOT, scrape, service_process, sse_events
+from server import DEFAULTS, ROOT, free_port, scrape, service_process, settings_env, sse_events
+
+from service.config import DEFAULT_MODEL_DIR
 
 LONG = {"inputs": "A man walks into a bar", "parameters": {"max_new_tokens": 1500, "ignore_eos": True}}
 
@@ -213,6 +217,20 @@ def test_a_signal_with_nothing_in_flight_stops_the_service_at_once():
         service.process.send_signal(signal.SIGTERM)
         assert service.process.wait(timeout=30) == 0
         assert time.monotonic() - start < 5
+
+
+def test_an_engine_core_that_cannot_load_its_model_stops_the_service_at_once(tmp_path):
+    """A checkpoint that does not load: the launcher exits 1 within seconds, front-ends and all (it took 65 s while
+    front-ends waiting for the core sat out the stop timeout)."""
+    model = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, model)
+    (model / "model.safetensors").write_bytes(b"not a checkpoint")
+    env = {**os.environ, **settings_env({**DEFAULTS, "model": str(model), "finetune_dir": str(tmp_path / "ft")})}
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(free_port())],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "llm-engine-core exited" in result.stderr + result.stdout
+    assert time.monotonic() - start < 30, result.stderr[-2000:]
 
 
 def test_a_front_end_waiting_for_its_engine_core_stops_at_once_on_a_signal(tmp_path):
