@@ -137,7 +137,7 @@ def mask_times(rows_list: list[int], threads_list: list[int], steps: int) -> lis
     results = []
     for case, (model_dir, vocab, stop, grammar) in cases.items():
         for threads in threads_list:
-            grammars = Grammars(model_dir, vocab, [stop], fill_threads=threads)
+            grammars = Grammars(model_dir, vocab, [stop], fill_threads=threads, pin_memory=torch.cuda.is_available())
             compiled = grammars.compile(grammar).result()
             json_rows = grammar.kind == "json"
             for rows in rows_list:

@@ -61,8 +61,9 @@ class Grammars:
     """The engine's compiler of request grammars for one tokenizer and vocabulary."""
 
     def __init__(self, model_dir, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 128 << 20,
-                 fill_threads: int = FILL_THREADS):
+                 fill_threads: int = FILL_THREADS, pin_memory: bool = False):
         self._model_dir, self._model_vocab_size, self._stop_token_ids = model_dir, vocab_size, stop_token_ids
+        self._pin_memory = pin_memory  # masks for a CUDA engine (a CPU one on a GPU host would make a CUDA context)
         self._fill_threads = fill_threads
         self.vocab_size = vocab_size  # until the tokenizer has loaded (the first grammar's compile)
         self.cache_bytes = cache_bytes
@@ -177,10 +178,10 @@ class Grammars:
         return [matcher.accept_token(token) for matcher, token in zip(matchers, tokens)]
 
     def fill_masks(self, matchers: list, json_rows: list[int]) -> torch.Tensor:
-        """The allowed tokens of each matcher's next step, as bits: [len(matchers), ceil(vocab / 32)] int32 in
-        pinned memory (ready for a copy to the device that does not wait). A finished matcher allows everything:
-        its row's token is dropped anyway. json_rows: the rows of JSON grammars."""
-        masks = torch.full((len(matchers), self.words), -1, dtype=torch.int32, pin_memory=torch.cuda.is_available())
+        """The allowed tokens of each matcher's next step, as bits: [len(matchers), ceil(vocab / 32)] int32, in
+        pinned memory for a CUDA engine (ready for a copy to the device that does not wait). A finished matcher
+        allows everything: its row's token is dropped anyway. json_rows: the rows of JSON grammars."""
+        masks = torch.full((len(matchers), self.words), -1, dtype=torch.int32, pin_memory=self._pin_memory)
         live = [row for row, matcher in enumerate(matchers) if not matcher.is_terminated()]
 
         def fill(rows: list[int]) -> float:

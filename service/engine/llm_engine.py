@@ -157,7 +157,8 @@ class LLMEngine:
                                    s.max_num_batched_tokens, self.max_model_len, mixed, hold, s.max_loras,
                                    s.scheduling_policy)
         self.sampler = Sampler()
-        self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids), s.grammar_cache_bytes)
+        self.grammars = Grammars(self.model_dir, cfg.vocab_size, sorted(self.eos_token_ids), s.grammar_cache_bytes,
+                                 pin_memory=self.device.type == "cuda")
         self.requests: dict[str, Sequence] = {}
         # LoRA adapters (load_adapter): the registry key (model.lora_adapters) of each served name; the name and file
         # of each key, least recently used first (max_cpu_loras); the sequences alive per key; the keys unloaded
