@@ -74,17 +74,23 @@ def wait_healthy(url: str, alive, timeout: float = START_TIMEOUT, describe=lambd
         time.sleep(0.1)
 
 
+def launch_command(tmp: Path, **settings) -> tuple[list[str], dict[str, str], int]:
+    """The launcher's command line, environment (these Settings fields over the tests' defaults, fine-tuning under
+    tmp) and free port."""
+    settings = {**DEFAULTS, "finetune_dir": str(tmp / "finetune"), **settings}
+    port = free_port()
+    argv = [sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)]
+    return argv, {**os.environ, **settings_env(settings)}, port
+
+
 @contextmanager
 def service_process(**settings) -> Iterator[Service]:
     tmp = Path(tempfile.mkdtemp(prefix="llm-serve-test-"))
-    settings = {**DEFAULTS, "finetune_dir": str(tmp / "finetune"), **settings}
-    port = free_port()
-    env = {**os.environ, **settings_env(settings)}
+    argv, env, port = launch_command(tmp, **settings)
     log = tmp / "service.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(port)],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                   preexec_fn=_die_with_parent)
+        process = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, preexec_fn=_die_with_parent)
     service = Service(f"http://127.0.0.1:{port}", process, log)
     try:
         wait_healthy(service.url, lambda: process.poll() is None, describe=service.log_tail)

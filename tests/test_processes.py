@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server import DEFAULTS, ROOT, free_port, scrape, service_process, settings_env, sse_events
+from server import ROOT, launch_command, scrape, service_process, sse_events
 
 from service.config import DEFAULT_MODEL_DIR
 
@@ -225,10 +225,9 @@ def test_an_engine_core_that_cannot_load_its_model_stops_the_service_at_once(tmp
     model = tmp_path / "model"
     shutil.copytree(DEFAULT_MODEL_DIR, model)
     (model / "model.safetensors").write_bytes(b"not a checkpoint")
-    env = {**os.environ, **settings_env({**DEFAULTS, "model": str(model), "finetune_dir": str(tmp_path / "ft")})}
+    argv, env, _ = launch_command(tmp_path, model=str(model))
     start = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "service", "--host", "127.0.0.1", "--port", str(free_port())],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "llm-engine-core exited" in result.stderr + result.stdout
     assert time.monotonic() - start < 30, result.stderr[-2000:]
 
