@@ -264,10 +264,10 @@ def _graph_ms(fn, calls: int = 24) -> float:
     return replay_ms(graph, 10) / calls
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (q/k/v, o and down,
-# whose consumers are kernels.elementwise's RoPE and add + RMSNorm)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (o and down, whose
+# consumer is kernels.elementwise.add_rms_norm_)
 LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)] + [
-    (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1), (16, 1024, 4, 1, 1)]
+    (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1), (16, 1024, 4, 1, 1), (16, 1024, 8, 1, 1)]
 # splits 64: as many as the K tiles (decode_linear caps them), each program's whole slice read before its wait
 SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)] + [
     (32, 256, 4, 3, s) for s in (2, 4)] + [(bn, bk, w, 1, 64) for bn in (16, 32, 64) for bk in (128, 256, 512)
@@ -343,7 +343,7 @@ def sweep_linear(setup: dict) -> list[dict]:
                     def cublas(i):
                         torch.nn.functional.linear(x, ws[i % copies])
                 timed = {}
-                for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj != "gate_up" else []):
+                for cfg in LINEAR_CONFIGS + (SPLIT_CONFIGS if proj in ("o", "down") else []):
                     try:
                         timed[cfg] = call_ms(lambda i, cfg=cfg: decode_linear(
                             x, ws[i % copies], silu_mul=silu, config=cfg, partials=cfg[-1] > 1), device)

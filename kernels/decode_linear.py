@@ -135,12 +135,10 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
 # programs in flight (o of Qwen2.5-0.5B: 1.7 us in 4 splits, 2.8 whole; down: 5.2 against 6.9), so projections
 # whose consumer adds partial sums take them; gate-up needs whole sums for its gate.
 def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
-    if configs.DECODE_LINEAR_WHOLE_SLICE and silu_mul and k < 2048:
-        return 64, 128, 4, 4, 1
-    if configs.DECODE_LINEAR_WHOLE_SLICE and partials and k <= 5120:  # past it the consumer's sums cost more
-        return 64, 128, 4, 1, triton.cdiv(k, 128)
-    if configs.DECODE_LINEAR_WHOLE_SLICE and not silu_mul and k <= 1024:
-        return 16, 1024, 4, 1, 1
+    if configs.DECODE_LINEAR_WHOLE_SLICE and silu_mul and k <= 1024:
+        return 16, 1024, 8, 1, 1
+    if configs.DECODE_LINEAR_WHOLE_SLICE and partials:
+        return 32, 256, 4, 1, triton.cdiv(k, 256)
     if silu_mul:
         return 32, (128 if k < 2048 else 256), 4, 3, 1
     if partials:

@@ -85,7 +85,7 @@ def whole_slice(request, monkeypatch):
 @pytest.mark.parametrize("lora_rows", [0, 3])
 def test_partial_sums_over_k_add_up_to_the_projection(device, lora_rows, whole_slice):
     """A projection split over K: the float32 partials sum to the reference, LoRA rows included; with whole slices,
-    one range per 128-long tile of K (33 for 4200)."""
+    one range per 256-long tile of K (17 for 4200)."""
     rows, k, n, rank = 3, 4200, 48, 16
     gen = torch.Generator().manual_seed(7)
     dtype = torch.float16
@@ -96,6 +96,6 @@ def test_partial_sums_over_k_add_up_to_the_projection(device, lora_rows, whole_s
     tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, 2))).to(device)
     lora = (lw, scales, tiles, rank, parts)
     out = decode_linear(x, w, lora=lora, partials=True)
-    assert out.dtype == torch.float32 and out.dim() == 3 and out.shape[0] == (33 if whole_slice else 4)
+    assert out.dtype == torch.float32 and out.dim() == 3 and out.shape[0] == (17 if whole_slice else 4)
     ref = decode_linear_ref(x, w, lora=lora, row_slots=torch.from_numpy(row_slots).to(device))
     assert rel_err(out.sum(0).to(dtype), ref) < 2e-2
