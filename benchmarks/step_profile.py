@@ -182,7 +182,6 @@ PATHS = [("fused", True, {}),
          ("fused_one_attention_kernel", True, ONE_ATTENTION_KERNEL),
          ("fused_rope_in_attention", True, {"DECODE_ROPE_IN_ATTENTION": True}),
          ("fused_merge_in_split", True, {"DECODE_MERGE_IN_SPLIT": True}),
-         ("fused_whole_slices", True, {"DECODE_LINEAR_WHOLE_SLICE": True}),
          ("fused_no_pdl", True, {"PDL": False}), ("modules", False, {"PDL": False})]
 
 
@@ -267,11 +266,9 @@ def _graph_ms(fn, calls: int = 24) -> float:
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, K splits); splits only where partial sums are taken (o and down, whose
 # consumer is kernels.elementwise.add_rms_norm_)
 LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256, 512) for st in (3, 4)] + [
-    (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1), (16, 1024, 4, 1, 1), (16, 1024, 8, 1, 1)]
-# splits 64: as many as the K tiles (decode_linear caps them), each program's whole slice read before its wait
+    (64, 256, 8, 3, 1), (64, 512, 8, 3, 1), (32, 512, 8, 4, 1)]
 SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)] + [
-    (32, 256, 4, 3, s) for s in (2, 4)] + [(bn, bk, w, 1, 64) for bn in (16, 32, 64) for bk in (128, 256, 512)
-                                           for w in (4, 8)]
+    (32, 256, 4, 3, s) for s in (2, 4)]
 LINEAR_ROWS = (1, 16, 64)  # decode_linear is the model's up to 16 rows; 64 tells whether it could take more
 DECODE_LORA_ROWS = ((1, (0, 1)), (16, (0, 1, 8)), (64, (0, 1, 8)))  # (rows, distinct adapters timed)
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does

@@ -143,11 +143,6 @@ DECODE_NUM_STAGES = 1 if INTERPRET else 3
 # (service/engine/model_runner.py).
 DECODE_MERGE_IN_SPLIT = False
 DECODE_ROPE_IN_ATTENTION = False
-# kernels/decode_linear.py's tall projections with each program's whole weight slice in one tile, read before its
-# wait on the kernel before (that kernel's run hides the read): down's K split into as many ranges as tiles, gate-up's
-# K in one tile where it is at most 1024 long. An experiment until the step is timed both ways on the GPU
-# (benchmarks/step_profile.py's path fused_whole_slices).
-DECODE_LINEAR_WHOLE_SLICE = False
 
 # ---------------------------------------------------------------------------------------------------------
 # Training backward (kernels/backward.py), one fixed config per kernel keyed by padded head_dim (the smallest key

@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import configs
 from kernels.configs import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.lora import BLOCK_M as TILE_ROWS
 from kernels.lora import lora_shrink, used_tiles
@@ -135,10 +134,6 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
 # programs in flight (o of Qwen2.5-0.5B: 1.7 us in 4 splits, 2.8 whole; down: 5.2 against 6.9), so projections
 # whose consumer adds partial sums take them; gate-up needs whole sums for its gate.
 def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
-    if configs.DECODE_LINEAR_WHOLE_SLICE and silu_mul and k <= 1024:
-        return 16, 1024, 8, 1, 1
-    if configs.DECODE_LINEAR_WHOLE_SLICE and partials:
-        return 32, 256, 4, 1, triton.cdiv(k, 256)
     if silu_mul:
         return 32, (128 if k < 2048 else 256), 4, 3, 1
     if partials:

@@ -15,10 +15,10 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(params=["as_is", "experiments"])
 def switches(request, monkeypatch):
     """The decode step as it is, and with kernels/configs.py's experiments on (RoPE, the cache write and the splits'
-    merge in the attention kernel; decode_linear's whole weight slices)."""
+    merge in the attention kernel)."""
     from kernels import configs
     if request.param == "experiments":
-        for key in ("DECODE_ROPE_IN_ATTENTION", "DECODE_MERGE_IN_SPLIT", "DECODE_LINEAR_WHOLE_SLICE"):
+        for key in ("DECODE_ROPE_IN_ATTENTION", "DECODE_MERGE_IN_SPLIT"):
             monkeypatch.setattr(configs, key, True)
     return request.param
 
