@@ -100,12 +100,9 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool, ca
     # Message texts are cut out even without such spellings (as the model's replies were generated after the
     # markup, not merged with it): the generation prompt's tokens then stay a prefix of the conversation that
     # goes on from it, which fine-tuning's loss masks rely on.
-    try:
-        marked_messages = [{k: mark(v, f"messages.{i}.{k}", always=k == "content") for k, v in m.items()}
-                           for i, m in enumerate(messages)]
-        marked_args = {k: mark(v, k) for k, v in template_args.items()}
-    except RecursionError:  # unmarked strings could be left deeper down
-        raise ChatTemplateError("the messages or tools are nested too deeply") from None
+    marked_messages = [{k: mark(v, f"messages.{i}.{k}", always=k == "content") for k, v in m.items()}
+                       for i, m in enumerate(messages)]
+    marked_args = {k: mark(v, k) for k, v in template_args.items()}  # (service.strict_json bounds the depth)
     try:
         marked = render(marked_messages, marked_args)
     except ChatTemplateError:  # the template looks into the strings

@@ -129,6 +129,23 @@ def test_lone_surrogates_are_a_400_on_a_connection_that_stays_open(base_url, rou
         assert client.get("/health").status_code == 200
 
 
+DEEP_VALUE = "[" * 1_200 + "]" * 1_200  # more than Python 3.11's parser takes, not 3.12's (the service image's)
+
+
+@pytest.mark.parametrize("route,raw", [
+    ("/generate", '{"inputs": "a", "parameters": {"grammar": {"type": "json", "value": %s}}}' % DEEP_VALUE),
+    ("/v1/chat/completions", '{"model": "tgi", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+                             '"function", "function": {"name": "f", "parameters": {"default": %s}}}]}' % DEEP_VALUE),
+])
+def test_deep_bodies_are_a_400_naming_the_nesting_on_every_python(base_url, route, raw):
+    """service.strict_json's bound, not the interpreter's: on 3.12 json.loads takes this nesting, and the walks
+    over a request's values after it would fail deep inside."""
+    with httpx.Client(base_url=base_url, timeout=30) as client:
+        r = client.post(route, content=raw.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text, r.text
+        assert client.post("/generate", json={"inputs": "a", "parameters": {"max_new_tokens": 1}}).status_code == 200
+
+
 def _upload(base_url: str, data: bytes) -> httpx.Response:
     return httpx.post(f"{base_url}/v1/files", files={"file": ("t.jsonl", data)}, data={"purpose": "fine-tune"},
                       timeout=120)  # the first upload starts the tokenizing process
