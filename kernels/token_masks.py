@@ -1,12 +1,15 @@
 """Grammar token masks applied to the logits in place: one kernel where PyTorch spends about ten (the bits unpacked
 to a [rows, vocab] boolean, its negation, a gather of the bound rows, masked_fill, the scatter back), each a launch
 on the host of a step that is host-bound at 64 constrained rows. Programs (row, chunk) read the chunk's mask words
-and write -inf over the tokens they forbid; allowed logits are not touched. The reference is
-service.engine.sampler's PyTorch path (_apply_token_masks).
+and write -inf over the tokens they forbid; allowed logits are not touched. Launched through kernels.launches: on
+Triton's own path every call binds and specializes its arguments again, host time in a host-bound step. The
+reference is service.engine.sampler's PyTorch path (_apply_token_masks).
 """
 import torch
 import triton
 import triton.language as tl
+
+from kernels.launches import KernelLaunches
 
 BLOCK = 4096
 
@@ -34,6 +37,9 @@ def apply_token_masks_(logits: torch.Tensor, masks: torch.Tensor, rows: torch.Te
     n, vocab = masks.shape[0], logits.shape[1]
     if n == 0:
         return
-    _apply_token_masks_kernel[(n, triton.cdiv(vocab, BLOCK))](
-        logits, logits.stride(0), vocab, masks, masks.stride(0), masks.shape[1], logits if rows is None else rows,
-        BLOCK=BLOCK, ALL_ROWS=rows is None)
+    _LAUNCHES.launch((n, triton.cdiv(vocab, BLOCK)),
+                     (logits, logits.stride(0), vocab, masks, masks.stride(0), masks.shape[1],
+                      logits if rows is None else rows), {"BLOCK": BLOCK, "ALL_ROWS": rows is None})
+
+
+_LAUNCHES = KernelLaunches(_apply_token_masks_kernel)

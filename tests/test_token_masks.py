@@ -29,3 +29,22 @@ def test_masked_logits_match_pytorch(device, monkeypatch, bound, words):
         assert (expected[bound, 960:] == float("-inf")).all()
     others = [r for r in range(5) if r not in bound]
     assert torch.equal(expected[others], logits[others])
+
+
+def test_later_calls_of_a_signature_reuse_its_program_and_their_own_arguments(device):
+    """After the first call of a signature kernels.launches launches the kept program directly: later calls with
+    other masks, rows and logits (the same shapes) must still apply their own. On the GPU the first call keeps a
+    program and the others add none (the interpreter keeps none)."""
+    vocab, kept = 5000, []
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        logits = torch.randn(6, vocab, generator=gen)
+        masks = torch.randint(-2**31, 2**31, (3, 157), dtype=torch.int32, generator=gen)
+        bound = torch.randperm(6, generator=gen)[:3].tolist()
+        expected = logits.clone()
+        _apply_token_masks(expected, masks, bound)
+        got = logits.to(device)
+        kernel.apply_token_masks_(got, masks.to(device), torch.tensor(bound, device=device))
+        assert torch.equal(got.cpu(), expected)
+        kept.append(set(kernel._LAUNCHES.programs))
+    assert kept[0] == kept[-1] and (len(kept[0]) > 0) == (device == "cuda")
