@@ -8,11 +8,12 @@ import re
 # A surrogate escape; valid pairs become one character in json.loads, so only lone ones survive into strings.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
-
 # Arrays and objects within each other: the code that walks a request's values (chat templates, schemas) recurses,
 # so the bound is ours, not the interpreter's. json.loads alone stops at Python 3.11's recursion limit (~1000) but
 # takes thousands of levels on 3.12 and later (the service image's), where a walk over them would fail deep inside.
 MAX_DEPTH = 128
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')  # a JSON string, escapes (\" among them) included
+_BRACKET = re.compile(r"[\[\]{}]")
 _TOO_DEEP = f"nested too deeply (more than {MAX_DEPTH} arrays or objects within each other)"
 
 
@@ -21,7 +22,7 @@ def loads(text: str):
         value = json.loads(text)
     except RecursionError:
         raise ValueError(_TOO_DEEP) from None
-    if _deeper_than(value, MAX_DEPTH, text):
+    if _deeper_than(text, MAX_DEPTH):
         raise ValueError(_TOO_DEEP)
     if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
         raise ValueError("a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text")
@@ -45,15 +46,14 @@ def _has_lone_surrogate(value) -> bool:
     return False
 
 
-def _deeper_than(value, limit: int, text: str) -> bool:
-    if text.count("[") + text.count("{") <= limit:  # too few brackets to nest that deep: no walk
+def _deeper_than(text: str, limit: int) -> bool:
+    """Whether the (valid) JSON text nests arrays and objects more than `limit` deep: its brackets outside strings
+    counted in order, at a cost that grows with the brackets, not with the values (a body of token ids)."""
+    if text.count("[") + text.count("{") <= limit:  # too few brackets to nest that deep
         return False
-    stack = [(value, 1)]
-    while stack:  # iterative, as the walks this bound protects are not
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        nested = [c for c in children if isinstance(c, (dict, list))]
-        if nested and depth >= limit:
+    depth = 0
+    for bracket in _BRACKET.findall(_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > limit:
             return True
-        stack.extend((c, depth + 1) for c in nested)
     return False

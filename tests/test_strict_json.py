@@ -24,5 +24,9 @@ def test_deeper_nesting_is_a_value_error_naming_it(depth):
 
 
 def test_brackets_in_strings_and_wide_values_are_not_depth():
-    text = json.dumps({"s": "[" * 50_000, "wide": [[i] for i in range(5_000)], "objects": [{"k": {}}] * 500})
+    text = json.dumps({"s": "[" * 50_000, "quoted": '\\"' + "{" * 300 + '"', "wide": [[i] for i in range(5_000)],
+                       "objects": [{"k": {}}] * 500})
     assert strict_json.loads(text) == json.loads(text)
+    assert strict_json.loads(f'["\\\\", {nested(MAX_DEPTH - 1)}]') == ["\\", json.loads(nested(MAX_DEPTH - 1))]
+    with pytest.raises(ValueError, match="nested too deeply"):  # a string ending in an escaped backslash
+        strict_json.loads(f'["\\\\", {nested(MAX_DEPTH)}]')
