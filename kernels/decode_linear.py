@@ -132,7 +132,9 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
 # shapes at 1 and 16 rows with each call reading its weight from HBM, as in a decode step (benchmarks/step_profile.py
 # --sections linear). A projection of a few MB is bound by latency more than by bytes: splitting K gives it more
 # programs in flight (o of Qwen2.5-0.5B: 1.7 us in 4 splits, 2.8 whole; down: 5.2 against 6.9), so projections
-# whose consumer adds partial sums take them; gate-up needs whole sums for its gate.
+# whose consumer adds partial sums take them; gate-up needs whole sums for its gate. The sweep times one projection's
+# calls chained; the step (--sections graphs) decides: on an H200 (2f7b295) configurations 7-22% faster in the sweep
+# (more K splits, each program's whole slice before its wait) made the step 6-8% slower (benchmarks/results).
 def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
     if silu_mul:
         return 32, (128 if k < 2048 else 256), 4, 3, 1
