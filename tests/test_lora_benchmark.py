@@ -45,6 +45,9 @@ def test_served_lora_phases_on_the_cpu(tmp_path):
     # Half the requests named an adapter, and they streamed (an unknown adapter would be a 422, an error).
     assert phases[2]["adapter_requests"] >= phases[2]["requests"] / 4 and phases[2]["named_adapter"]["itl_p50_ms"] > 0
     assert [t["adapter_share"] for t in served["issue_targets"]] == [0.05, 0.5]
+    # one round on the CPU: each share's ratios are its phase's
+    assert [(s["adapter_share"], s["rounds"]) for s in served["shares"]] == [(0.05, 1), (0.5, 1)]
+    assert all(s["tok_per_s_x"] == p["tok_per_s_x"] for s, p in zip(served["shares"], phases[1:3]))
     # The steps in each window by how they ran: on the CPU all eager, from slots where a request named an adapter
     for phase in phases:
         steps = phase["steps"]
@@ -52,6 +55,20 @@ def test_served_lora_phases_on_the_cpu(tmp_path):
         assert abs(sum(s["share"] for s in steps.values()) - 1) < 1e-9 and all(s["mean_ms"] > 0 for s in steps.values())
     assert "eager/slots" in phases[2]["steps"] and "eager/slots" not in phases[0]["steps"]
     assert (tmp_path / "lora.png").stat().st_size > 0
+
+
+def test_served_rounds_divide_by_the_base_phases_around_them():
+    """Two rounds on a server that slows down: each adapter phase against the base phases before and after its
+    round, each share averaged over its rounds; the base phases against the mean of all three."""
+    from benchmarks.lora import RATIO_KEYS, phase_ratios
+
+    plan = [(0.0, 100), (0.05, 90), (0.5, 80), (0.0, 80), (0.05, 72), (0.5, 60), (0.0, 60)]
+    rows = [{"adapter_share": share, **{key: tok for key in RATIO_KEYS}} for share, tok in plan]
+    shares = phase_ratios(rows)
+    assert [r["tok_per_s_x"] for r in rows] == [100 / 80, 90 / 90, 80 / 90, 1.0, 72 / 70, 60 / 70, 60 / 80]
+    assert [(s["adapter_share"], s["rounds"]) for s in shares] == [(0.05, 2), (0.5, 2)]
+    assert shares[0]["tok_per_s_x_rounds"] == [1.0, 72 / 70] and shares[0]["tok_per_s_x"] == (1.0 + 72 / 70) / 2
+    assert shares[1]["itl_p50_x"] == (80 / 90 + 60 / 70) / 2
 
 
 def test_the_graphs_variants_name_kernels_lora_switches_and_skip_batches_they_leave_as_shipped():
