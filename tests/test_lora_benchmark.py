@@ -1,7 +1,7 @@
 """benchmarks/lora.py's CPU smokes: the decode steps (the engine's steps with adapters against without; the served
 results already in lora.json stay) and --served end to end (a real server serving 8 PEFT adapters, streaming
-clients, the 0% / 5% / 50% / 0% phases; the decode steps' results stay). And the host side of its GPU graphs'
-variants."""
+clients, one round of 0% / 5% / 50% phases and the 0% once more; the decode steps' results stay). And the host side
+of its GPU graphs' variants and of the served rounds' ratios."""
 import json
 
 from tests.helpers import run_benchmark
