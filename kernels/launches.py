@@ -19,6 +19,11 @@ import triton
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _three_dims(grid: tuple) -> tuple:
+    """A compiled program's launcher reads x, y and z where Triton's own path takes one to three dimensions."""
+    return (*grid, 1, 1)[:3]
+
+
 def aligned(*tensors: torch.Tensor) -> tuple[bool, ...]:
     """Which pointers Triton would specialize as 16-byte aligned: part of every key."""
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
@@ -44,7 +49,7 @@ class CompiledLaunches:
         hit = self.programs.get(key)
         if hit is not None:
             program, config = hit
-            program[grid(config.kwargs)](*args, *constexprs.values(), *config.kwargs.values())
+            program[_three_dims(grid(config.kwargs))](*args, *constexprs.values(), *config.kwargs.values())
             return
         program = self.kernel[grid](*args, **constexprs)
         if not _INTERPRET:
@@ -81,7 +86,7 @@ class KernelLaunches:
         key = (*map(_specialization, args), *constexprs.values(), *options.items())
         program = self.programs.get(key)
         if program is not None:
-            program[grid](*args, *constexprs.values())
+            program[_three_dims(grid)](*args, *constexprs.values())
             return
         program = self.kernel[grid](*args, **constexprs, **options)
         if not _INTERPRET:
