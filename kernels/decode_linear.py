@@ -137,7 +137,7 @@ def _decode_linear_kernel(X, W, BIAS, Y, stride_x, stride_w, stride_y, M, N, K, 
 # (more K splits, each program's whole slice before its wait) made the step 6-8% slower (benchmarks/results).
 def _config(n: int, k: int, silu_mul: bool, partials: bool) -> tuple[int, int, int, int, int]:
     if silu_mul:
-        return 32, (128 if k <= 2048 else 256), 4, 3, 1
+        return 32, (128 if k < 2048 else 256), 4, 3, 1
     if partials:
         return 32, 256, 4, 3, 4
     return (16, 512, 4, 3, 1) if k < 2048 else (32, 256, 4, 4, 1)
