@@ -14,14 +14,10 @@ lora: kernels/lora.py's (the LoRA updates of larger steps) at 64 and 256 rows ov
 decode_lora: decode_linear with its rows' LoRA slots against without, each projection of the Qwen2.5-0.5B shape at
 1, 16 and 64 rows (64: whether decode_linear with the expands inside would beat cuBLAS + lora_add_ there);
 --sections lora_producers: the launches that compute the shrinks in LoRA steps of 64 and 256 rows (the norms, the
-SwiGLU gate, o's input), each alone beside the base step's launch. --sections mlp: the decoder's MLP half as a decode
-step runs it (add + RMSNorm summing the last down projection's partial sums, gate-up with the SwiGLU gate, down) over
-24 layers' weights, with each configuration of gate-up or of down while the other keeps its own: the linear sweep
-chains one projection's calls with themselves, without the kernels around it, and favoured configurations that made
-the step slower (2f7b295, an H200).
+SwiGLU gate, o's input), each alone beside the base step's launch.
 
 python benchmarks/step_profile.py [--tokens 128] [--out DIR]
-    [--sections prefill,decode,graphs,linear,mlp,lora,decode_lora,lora_producers]
+    [--sections prefill,decode,graphs,linear,lora,decode_lora,lora_producers]
 python benchmarks/step_profile.py --device cpu  # the smoke CI runs
 
 Random bf16 checkpoints in the models' shapes (benchmarks/generate.py): only times mean anything. Writes
@@ -61,7 +57,7 @@ from service.protocol import SamplingParams  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, help="the prefill's prompt tokens (default 128; CPU 16)")
-    parser.add_argument("--sections", default="prefill,decode,graphs,linear,mlp,lora,decode_lora,lora_producers")
+    parser.add_argument("--sections", default="prefill,decode,graphs,linear,lora,decode_lora,lora_producers")
     parser.add_argument("--paths", default=",".join(p for p, *_ in PATHS), help="the graphs section's paths")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -76,8 +72,6 @@ def main():
               "date": time.strftime("%Y-%m-%d"), "weights": setup["weights"]}
     if "linear" in sections:
         result["linear"] = sweep_linear(setup)
-    if "mlp" in sections:
-        result["mlp"] = sweep_mlp(setup)
     if "lora" in sections:
         result["lora"] = sweep_lora(setup)
     if "decode_lora" in sections:
@@ -276,7 +270,6 @@ LINEAR_CONFIGS = [(bn, bk, 4, st, 1) for bn in (16, 32, 64) for bk in (128, 256,
 SPLIT_CONFIGS = [(16, bk, 4, 3, s) for s in (2, 4, 8) for bk in (128, 256, 512)] + [
     (32, 256, 4, 3, s) for s in (2, 4)]
 LINEAR_ROWS = (1, 16, 64)  # decode_linear is the model's up to 16 rows; 64 tells whether it could take more
-MLP_ROWS = (1,)  # the single stream's step, the one the floor is far from
 DECODE_LORA_ROWS = ((1, (0, 1)), (16, (0, 1, 8)), (64, (0, 1, 8)))  # (rows, distinct adapters timed)
 L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not in it, as a decode step does
 
@@ -287,14 +280,12 @@ L2_BYTES = 50 * 2**20  # the H100's; every call below reads weights that are not
 SETUPS = {"cuda": {"checkpoint": CONFIG, "dtype": "bfloat16", "tokens": 128, "repeat": 50, "attention_calls": 200,
                    "ttft_requests": 30, "decode_batches": (1, 64, 256), "decode_steps": 200, "adapter_batch": (64, 3),
                    "shapes": SHAPES, "lora_shape": SHAPES["Qwen2.5-0.5B"], "linear_rows": LINEAR_ROWS,
-                   "mlp_rows": MLP_ROWS, "mlp_configs": None,
                    "lora_rows": (64, 256), "decode_lora_rows": DECODE_LORA_ROWS, "producer_rows": (64, 256),
                    "adapters": 8,
                    "weights": "random, in the models' shapes: times only"},
           "cpu": {"checkpoint": TINY_CONFIG, "dtype": "float32", "tokens": 16, "repeat": 3, "attention_calls": 5,
                   "ttft_requests": 4, "decode_batches": (1, 4), "decode_steps": 8, "adapter_batch": (4, 1),
                   "shapes": {"tiny": TINY_CONFIG}, "lora_shape": TINY_CONFIG, "linear_rows": LINEAR_ROWS,
-                  "mlp_rows": (1,), "mlp_configs": 2,
                   "lora_rows": (16,), "decode_lora_rows": ((1, (0, 1)), (4, (0, 1, 2))), "producer_rows": (20, 72),
                   "adapters": 2,
                   "weights": "random, tiny Qwen2 (TINY_CONFIG) in float32, Triton in its interpreter: the CPU smoke, "
@@ -365,50 +356,6 @@ def sweep_linear(setup: dict) -> list[dict]:
                 print(f"{name:>14} {proj:>8} rows {m:>2}: floor {row['floor_us']:5.1f} us, cuBLAS "
                       f"{row['cublas_us']:6.1f} us, decode_linear best " +
                       ", ".join(f"{1e3 * timed[t]:.1f} {t}" for t in top), flush=True)
-    return rows_out
-
-
-def sweep_mlp(setup: dict) -> list[dict]:
-    """--sections mlp (the module's doc): per shape, rows and projection (gate_up, down), microseconds of one layer's
-    MLP half with the shipped configuration (None: kernels/decode_linear.py's own) and with each swept one for that
-    projection, in a CUDA graph of 24 layers on the GPU (each layer's weights from HBM). The CPU's setup times its
-    first `mlp_configs` of each list (the interpreter: that the chain runs)."""
-    from kernels.decode_linear import _config, decode_linear
-    from kernels.elementwise import add_rms_norm_
-
-    device, dtype = setup["device"], getattr(torch, setup["dtype"])
-    rows_out = []
-    for name, c in setup["shapes"].items():
-        h, inter = c["hidden_size"], c["intermediate_size"]
-        shipped = {"gate_up": _config(inter, h, True, False), "down": _config(h, inter, False, True)}
-        gate_up, down = hbm_copies(2 * inter, h, device=device), hbm_copies(h, inter, device=device)
-        copies, norm = min(len(gate_up), len(down)), torch.ones(h, device=device, dtype=dtype)
-        swept = {"gate_up": LINEAR_CONFIGS, "down": LINEAR_CONFIGS + SPLIT_CONFIGS}
-        for m in setup["mlp_rows"]:
-            residual = torch.randn(m, h, device=device, dtype=dtype)
-            swiglu = torch.randn(m, inter, device=device, dtype=dtype)
-            for proj, configs in swept.items():
-                timed = {}
-                for cfg in [None] + configs[:setup["mlp_configs"]]:
-                    gate_up_cfg, down_cfg = (cfg, None) if proj == "gate_up" else (None, cfg)
-                    state = {}
-
-                    def layer(i, gate_up_cfg=gate_up_cfg, down_cfg=down_cfg, state=state):
-                        x = add_rms_norm_(state["down"], residual, norm, 1e-6)
-                        g = decode_linear(x, gate_up[i % copies], silu_mul=True, config=gate_up_cfg)
-                        state["down"] = decode_linear(g, down[i % copies], partials=True, config=down_cfg)
-
-                    try:  # the first layer's norm sums the partial sums of a down projection of random input
-                        state["down"] = decode_linear(swiglu, down[0], partials=True, config=down_cfg)
-                        timed[str(cfg) if cfg else "shipped"] = 1e3 * call_ms(layer, device)
-                    except triton.runtime.errors.OutOfResources:  # shared memory: too many stages of this tile
-                        continue
-                best = min(timed, key=timed.get)
-                rows_out.append({"shape": name, "rows": m, "proj": proj, "shipped": shipped[proj],
-                                 "shipped_us": timed["shipped"], "best": best, "best_us": timed[best],
-                                 "configs_us": timed})
-                print(f"{name:>14} MLP, {proj:>7} swept, rows {m:>2}: shipped {shipped[proj]} {timed['shipped']:5.1f} "
-                      f"us a layer, best {timed[best]:5.1f} {best}", flush=True)
     return rows_out
 
 
