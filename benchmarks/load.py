@@ -68,11 +68,15 @@ def run_level(base: str, users: int, seconds: int, csv_prefix: Path) -> dict:
         argv[3:3] = ["--processes", str(processes)]
     before, start = token_counts(base), time.perf_counter()
     with open(f"{csv_prefix}.log", "wb") as log:
-        subprocess.run(argv, cwd=ROOT, timeout=seconds + 300, stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run(argv, cwd=ROOT, timeout=seconds + 300, stdout=log, stderr=subprocess.STDOUT)
     elapsed = time.perf_counter() - start
     prompted, generated = (after - b for after, b in zip(token_counts(base), before))
 
-    with open(f"{csv_prefix}_stats.csv") as f:
+    stats = Path(f"{csv_prefix}_stats.csv")
+    if not stats.exists():  # locust did not run (exits 1 on failed requests too, so its code alone says little)
+        log_tail = Path(f"{csv_prefix}.log").read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"locust wrote no statistics (exit {done.returncode}); the end of its log:\n{log_tail}")
+    with open(stats) as f:
         rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(f)}
     stream, ttft, itl = (rows.get((kind, "/generate_stream"), {}) for kind in ("POST", "TTFT", "ITL"))
 
