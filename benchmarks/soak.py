@@ -456,7 +456,9 @@ def soak(args, server, startup: dict, model_dir: str | None) -> dict:
     for i in range(intervals):
         time.sleep(max(0.0, t0 + (i + 1) * args.interval - time.monotonic()))
         metrics = scrape(server.base_url)
-        sample = {"t": time.monotonic() - t0, "rss_bytes": service_rss(session_id), "gpu_used_bytes": gpu_used_bytes(),
+        # (a CPU soak on a GPU host leaves the GPU to others: its memory is not the service's)
+        gpu_used = gpu_used_bytes() if args.device == "cuda" else None
+        sample = {"t": time.monotonic() - t0, "rss_bytes": service_rss(session_id), "gpu_used_bytes": gpu_used,
                   "gpu_allocated_bytes": metrics.get("llm_gpu_memory_allocated_bytes"),
                   **{g: metrics.get(g) for g in GAUGES}, "job": job.get("status", "pending" if not job else "running")}
         samples.append(sample)
