@@ -14,8 +14,6 @@ import csv
 import json
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,13 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.generate import write_checkpoint  # noqa: E402  (random Qwen2.5-0.5B-shaped bf16 weights)
 from benchmarks.provenance import git_commit  # noqa: E402
+from benchmarks.serve import start_server  # noqa: E402
 from service.config import DEFAULT_MODEL_DIR  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def token_counts(base: str) -> tuple[float, float]:
@@ -44,19 +37,6 @@ def token_counts(base: str) -> tuple[float, float]:
         text = response.read().decode()
     return tuple(float(re.search(rf"^{name} (\S+)$", text, flags=re.M).group(1))
                  for name in ("llm_prompt_tokens_total", "llm_generation_tokens_total"))
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, timeout: float):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the service exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"{base}/health", timeout=5):
-                return
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError(f"the service was not healthy after {timeout:.0f} s")
 
 
 def run_level(base: str, users: int, seconds: int, csv_prefix: Path) -> dict:
@@ -140,16 +120,11 @@ def main():
         if model is None:
             write_checkpoint(Path(tmp))
             model = tmp
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        log = open(args.out / "load_service.log", "wb")
-        service = subprocess.Popen(
-            [sys.executable, "-m", "service", "--model", model, "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env={**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "warning"},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        results = []
+        # the service's CLI as benchmarks/serve.py starts it (healthy, then one short stream), stopped as it stops it
+        server, _ = start_server(argparse.Namespace(api_server_count=None), model, args.out / "load_service.log",
+                                 {**os.environ, "LLM_DEVICE": args.device, "LLM_LOG_LEVEL": "warning"}, None, False)
+        base, results = server.base_url, []
         try:
-            wait_healthy(base, service, timeout=600)
             print(f"{'users':>6} {'reqs':>6} {'fail':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} "
                   f"{'e2e p50':>8} {'out tok/s':>10} {'in tok/s':>10}")
             for users in levels:
@@ -160,12 +135,7 @@ def main():
                       f"{r['e2e_p50_ms']:>6.0f}ms {r['output_tok_per_s']:>10.0f} {r['input_tok_per_s']:>10.0f}",
                       flush=True)
         finally:
-            os.killpg(service.pid, signal.SIGTERM)
-            try:
-                service.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(service.pid, signal.SIGKILL)
-            log.close()
+            server.stop()
 
     info = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "commit": git_commit(),
             "date": time.strftime("%Y-%m-%d"), "model": label, "seconds_per_level": args.seconds,
