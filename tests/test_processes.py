@@ -75,7 +75,7 @@ def test_two_front_ends_serve_one_engine_core():
 
 
 def test_a_storm_of_clients_leaving_mid_stream_leaves_no_block_in_use():
-    with service_process(api_server_count=1) as service:
+    with service_process(api_server_count=2) as service:
         async def leave_after(client, n):
             async with client.stream("POST", "/generate_stream", json=LONG) as r:
                 seen = 0
