@@ -232,11 +232,7 @@ def observed(tmp_path_factory):
             env={**os.environ, "LOADTEST_MAX_NEW_TOKENS": "8", "LOADTEST_MAX_PROMPT_WORDS": "48"},
             capture_output=True, text=True, timeout=LOAD_SECONDS + 60, cwd=ROOT,
         )
-        output = locust.stdout[-4000:] + locust.stderr[-4000:]
-        stats_csv = tmp / "locust_stats.csv"
-        assert stats_csv.exists(), f"locust wrote no stats (exit {locust.returncode}):\n{output}"
-        with open(stats_csv) as f:
-            stats = list(csv.DictReader(f))
+        stats, output = locust_stats(locust, tmp / "locust")
         if service.poll() is not None:
             pytest.fail(f"the service died during the load:\n{tail(tmp / 'service.log')}")
 
@@ -256,6 +252,16 @@ def observed(tmp_path_factory):
         yield base, stats, output
 
 
+def locust_stats(run: subprocess.CompletedProcess, prefix: Path) -> tuple[list[dict], str]:
+    """The statistics rows locust wrote with --csv PREFIX, and the end of its output; fails naming its exit and that
+    output where it wrote none (it did not run)."""
+    output = run.stdout[-4000:] + run.stderr[-4000:]
+    stats = Path(f"{prefix}_stats.csv")
+    assert stats.exists(), f"locust wrote no stats (exit {run.returncode}):\n{output}"
+    with open(stats) as f:
+        return list(csv.DictReader(f)), output
+
+
 def test_the_shipped_load_test_passes_against_the_embedded_model(tmp_path):
     """The README's locust command, unchanged (no LOADTEST_* caps), against the embedded model's 2048-token
     context: every request fits and none fails."""
@@ -269,10 +275,7 @@ def test_the_shipped_load_test_passes_against_the_embedded_model(tmp_path):
                               "--csv", str(tmp_path / "locust"), "--only-summary"],
                              env={k: v for k, v in os.environ.items() if not k.startswith("LOADTEST_")},
                              capture_output=True, text=True, timeout=120, cwd=ROOT)
-        output = run.stdout[-3000:] + run.stderr[-3000:]
-        assert (tmp_path / "locust_stats.csv").exists(), f"locust wrote no stats (exit {run.returncode}):\n{output}"
-        with open(tmp_path / "locust_stats.csv") as f:
-            rows = list(csv.DictReader(f))
+        rows, output = locust_stats(run, tmp_path / "locust")
     assert run.returncode == 0, output
     assert sum(int(r["Failure Count"]) for r in rows) == 0, output
     assert sum(int(r["Request Count"]) for r in rows if r["Type"] == "POST") > 0
