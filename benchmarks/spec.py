@@ -7,9 +7,10 @@
    (ForcedAcceptance): the speedup as a function of the acceptance rate, k = 4, against no
    speculation, with the acceptance back-off (`speculative_min_acceptance`, its default) and without it
    (`no_backoff`): where the latter's speedup falls below 1 the back-off should recover it.
-3. copy_heavy_vs_free: the n-gram proposer on the embedded (trained) model, prompts that repeat a fortune (the
-   answer copies its rest, then ends) against prompts that do not, all at once and one at a time (a single
-   stream): tokens/s with and without speculation (and without the back-off), and the acceptance rate.
+3. copy_heavy_vs_free: the n-gram proposer on trained text: the embedded model's copying variant
+   (benchmarks/copying_model: the default model learned no copying), prompts that repeat a fortune (the answer
+   copies its rest, then ends) against prompts that do not, all at once and one at a time (a single stream):
+   tokens/s with and without speculation (and without the back-off), and the acceptance rate.
 
 4. many_streams: what speculation on costs at 128 streams of random prompts, where it cannot pay: tokens/s with
    the n-gram proposer (speculative_disable_by_batch_size unset, 64, 32, 16) against speculation off, all in one
@@ -62,6 +63,7 @@ from service.engine.scheduler import ScheduledBatch  # noqa: E402
 from service.engine.sequence import Sequence, Status  # noqa: E402
 from service.protocol import SamplingParams  # noqa: E402
 
+COPYING_MODEL_DIR = Path(__file__).resolve().parent / "copying_model"
 DEFAULT_MIN_ACCEPTANCE = Settings.model_fields["speculative_min_acceptance"].default
 
 
@@ -279,12 +281,13 @@ def forced_acceptance(model: str | None, device: str, batches: list[int], alphas
 
 
 def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list:
-    """The n-gram proposer on the embedded model: `count` prompts at once, and the same prompts one at a time (a
-    single stream), of each workload. copy_heavy: a fortune said twice, then its first words (cut at a space, as an
-    answer's tokens would start: a cut inside a word tokenizes unlike the passage, and the model no longer finds
-    it); the answer says the rest of the fortune and ends (its EOS is honoured: past it a greedy model writes
-    whatever, and that was most of the 128 tokens when the workload ignored EOS). free: a fortune's first words,
-    which the model continues on its own. tokens/s counts the tokens generated."""
+    """The n-gram proposer on the embedded model's copying variant (COPYING_MODEL_DIR): `count` prompts at once, and
+    the same prompts one at a time (a single stream), of each workload. copy_heavy: a fortune said twice, then its
+    first words (cut at a space, as an answer's tokens would start: a cut inside a word tokenizes unlike the
+    passage, and the model no longer finds it); the answer says the rest of the fortune and ends (its EOS is
+    honoured: past it a greedy model writes whatever, and that was most of the 128 tokens when the workload ignored
+    EOS). free: a fortune's first words, which the model continues on its own. tokens/s counts the tokens
+    generated."""
     texts = gzip.decompress((DEFAULT_MODEL_DIR / "corpus.txt.gz").read_bytes()).decode().split("\n%\n")
     fortunes = [t for t in texts[100:2000] if 60 < len(t) < 160 and " " in t[20:40]][:count]
     starts = [f[:f.index(" ", 20)] for f in fortunes]
@@ -298,8 +301,8 @@ def copy_heavy_vs_free(device: str, count: int, new_tokens: int, k: int) -> list
             row = {"workload": name, "streams": streams, "prompts": len(prompts), "k": k}
             outputs = {}
             for method in (None, "ngram"):
-                llm = LLM(None, device=device, speculative_method=method, num_speculative_tokens=k,
-                          enable_prefix_caching=False)
+                llm = LLM(str(COPYING_MODEL_DIR), device=device, speculative_method=method,
+                          num_speculative_tokens=k, enable_prefix_caching=False)
                 generate(llm, prompts[:1], params)
                 outputs[method], seconds = run_all(llm, todo, params)
                 tokens = sum(map(len, outputs[method]))
@@ -514,7 +517,8 @@ def main():
                                                  args.policy_runs or (3 if smoke else 30)),
     }
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    models = {"copy_heavy_vs_free": "embedded default model", "ngram_host_cost": "none (host-side lookups)",
+    models = {"copy_heavy_vs_free": "embedded model's copying variant (benchmarks/copying_model)",
+              "ngram_host_cost": "none (host-side lookups)",
               "backoff_policy": "none (a model of the step costs)",
               "draft_model": "embedded default model" if smoke else "random Qwen2.5-0.5B shape"}
     result = {}
