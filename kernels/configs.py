@@ -5,6 +5,10 @@ import os
 import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Floating-point contraction (a * b + c as one FMA) on, as every config and tolerance here was measured with it:
+# Triton 3.9 warns at each process's first compile that its default turns it off from 3.10. A user's own setting
+# of the variable stands.
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 # ---------------------------------------------------------------------------------------------------------
 # Programmatic dependent launch (Hopper and later): a kernel launched with it may start while the one before it in

@@ -252,6 +252,19 @@ def compiled(case: str, *args) -> str:
     return _PTX[key]
 
 
+def test_kernels_compile_with_fp_fusion_unless_the_user_turns_it_off():
+    """kernels.configs sets Triton's FP-fusion default on (Triton 3.10 turns it off); a user's setting stands. The
+    RMSNorm's float32 products and sums are FMAs in its PTX (none with the setting 0)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
+    code = "import os, kernels; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
+    for user in (None, "0"):
+        seen = subprocess.run([sys.executable, "-c", code], env={**env, **({"TRITON_DEFAULT_FP_FUSION": user}
+                              if user else {})}, capture_output=True, text=True, check=True)
+        assert seen.stdout.split() == [user or "1"]
+    if os.environ.get("TRITON_DEFAULT_FP_FUSION", "1") == "1":  # (the compiling children have this environment)
+        assert "fma.rn.f32" in compiled("norm_launched", False, 1, 896, 3, False, False)
+
+
 @pytest.mark.parametrize("rows,silu_mul,partials,tiles", DECODE_LINEAR)
 def test_decode_linear_compiles_as_its_launcher_calls_it(rows, silu_mul, partials, tiles):
     """Without LoRA the launcher passes its output as the slot weights: float32 where it writes partial sums. At
