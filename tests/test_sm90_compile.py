@@ -254,7 +254,7 @@ def compiled(case: str, *args) -> str:
 
 def test_kernels_compile_with_fp_fusion_unless_the_user_turns_it_off():
     """kernels.configs sets Triton's FP-fusion default on (Triton 3.10 turns it off); a user's setting stands. The
-    RMSNorm's float32 products and sums are FMAs in its PTX (none with the setting 0)."""
+    RMSNorm's float32 products and sums are FMAs in its PTX."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_DEFAULT_FP_FUSION")}
     code = "import os, kernels; print(os.environ['TRITON_DEFAULT_FP_FUSION'])"
     for user in (None, "0"):
