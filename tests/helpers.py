@@ -4,7 +4,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +49,12 @@ def is_skip_reason(text) -> bool:
 
 def run_benchmark(script: str, *args: str, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
     """benchmarks/SCRIPT.py ARGS run from the repository's root, as its doc's commands are; fails the test with the
-    output's tail when it exits non-zero. Returns the finished run (its stdout holds the printed table)."""
+    output's tail when it exits non-zero. Returns the finished run (its stdout holds the printed table). A smoke in
+    Triton's interpreter is skipped under Triton 3.6 (the GPU machines'): its interpreter holds scalars as 1-element
+    arrays, which current NumPy refuses as a loop's bound (`range(k_lo, k_hi, ...)`), so kernels with runtime
+    trip counts fail there; 3.7 fixed it, and CI runs the newest Triton."""
+    if (env or {}).get("TRITON_INTERPRET") == "1" and tuple(map(int, triton.__version__.split(".")[:2])) < (3, 7):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a runtime bound (fixed in 3.7)")
     done = subprocess.run([sys.executable, f"benchmarks/{script}.py", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

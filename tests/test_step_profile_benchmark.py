@@ -111,25 +111,25 @@ def test_the_smokes_sweeps_time_every_configuration_of_each_cell(smoke):
         assert row["lora_us"] > 0 and (row["base_us"] is None if name == "o_input" else row["base_us"] > 0), row
 
 
-def test_every_swept_decode_linear_configuration_computes_the_projection():
+def test_every_swept_decode_linear_configuration_computes_the_projection(device):
     for rows in (3, max(step_profile.LINEAR_ROWS)):
-        x, w = torch.randn(rows, 96), torch.randn(64, 96) / 10
+        x, w = torch.randn(rows, 96, device=device), torch.randn(64, 96, device=device) / 10
         want = decode_linear_ref(x, w)
         for cfg in step_profile.LINEAR_CONFIGS + step_profile.SPLIT_CONFIGS:
             out = decode_linear(x, w, config=cfg, partials=cfg[-1] > 1)
             assert rel_err(out.sum(0) if out.dim() == 3 else out, want) < 1e-5, (rows, cfg)
 
 
-def test_every_swept_lora_configuration_adds_the_updates():
+def test_every_swept_lora_configuration_adds_the_updates(device):
     rows, k, n, rank, slots = 20, 48, 40, 16, 3
-    weights, scales = torch.randn(slots, rank * (k + n)) / 4, torch.rand(slots) + 0.5
-    x = torch.randn(rows, k)
+    weights = torch.randn(slots, rank * (k + n), device=device) / 4
+    scales, x = torch.rand(slots, device=device) + 0.5, torch.randn(rows, k, device=device)
     row_slots = np.arange(rows, dtype=np.int32) % slots
-    tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots)))
-    want = torch.zeros(rows, n)
-    lora_add_ref(x, [(want, 0, rank * k)], weights, scales, torch.from_numpy(row_slots), rank)
+    tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))).to(device)
+    want = torch.zeros(rows, n, device=device)
+    lora_add_ref(x, [(want, 0, rank * k)], weights, scales, torch.from_numpy(row_slots).to(device), rank)
     for cfg in step_profile.LORA_CONFIGS[::4]:
-        y = torch.zeros(rows, n)
+        y = torch.zeros(rows, n, device=device)
         lora_add_(x, [(y, 0, rank * k)], weights, scales, tiles, rank, config=cfg)
         assert rel_err(y, want) < 1e-5, cfg
 
@@ -140,7 +140,7 @@ def test_every_path_switch_is_a_setting_of_kernels_configs():
         assert all(isinstance(getattr(configs, key), bool) for key in switches)
 
 
-def test_every_lora_case_is_a_valid_decode_linear_call():
+def test_every_lora_case_is_a_valid_decode_linear_call(device):
     """The projection groups of --sections decode_lora and lora (here of a small shape) with their slot layouts:
     decode_linear with one adapter matches its reference."""
     shape = {"hidden_size": 32, "intermediate_size": 48, "num_attention_heads": 2, "num_key_value_heads": 1}
@@ -151,7 +151,9 @@ def test_every_lora_case_is_a_valid_decode_linear_call():
             x, w = torch.randn(rows, k, generator=gen), torch.randn(sum(widths), k, generator=gen) / k ** 0.5
             lw, scales = torch.randn(slots, size, generator=gen) / 4, torch.rand(slots, generator=gen) + 0.5
             row_slots = np.arange(rows, dtype=np.int32) % (slots + 1) - 1
-            lora = (lw, scales, torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots))), rank, parts)
+            tiles = torch.from_numpy(lora_tiles(row_slots, max_tiles(rows, slots)))
+            x, w, lw, scales, tiles = (t.to(device) for t in (x, w, lw, scales, tiles))
+            lora = (lw, scales, tiles, rank, parts)
             out = decode_linear(x, w, silu_mul=silu, lora=lora, partials=partials)
-            ref = decode_linear_ref(x, w, silu_mul=silu, lora=lora, row_slots=torch.from_numpy(row_slots))
+            ref = decode_linear_ref(x, w, silu_mul=silu, lora=lora, row_slots=torch.from_numpy(row_slots).to(device))
             assert rel_err(out.sum(0) if partials else out, ref) < 1e-5, (rows, proj)
