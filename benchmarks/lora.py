@@ -25,10 +25,10 @@ steps of 17-64 rows ran before the slots' columns; q/k/v's and gate-up's shrinks
 merge) from their producers up to 256 rows, not 64 (past them a lora_shrink launch each); and the shrinks past those
 rows from lora_shrink launches rather than tiles of one slot's rows (TILE_SHRINK_MIN_ROWS), or tiles past 16, or
 tiles whose programs take K in chunks even where one takes all of it (TILE_WHOLE_K); at
-batch 1 only o's switch applies. `variants_x` compares each with the shipped graph captured again, not with
-graph_ms: graphs replay faster after a capture (whose warm-up is an eager forward) than right after engine steps
-(H200, c28a8ee: the base graph of 64 rows 1.10 ms right after engine steps, 1.02 ms after one eager forward of the
-same inputs; the LoRA graph 1.42 against about 1.31), so only graphs timed after the same captures compare.
+batch 1 only o's switch applies. `variants_x` compares each with the shipped graph captured again beside it. (Every
+graph is timed after kernels/pdl_primer.py's launch, as the engine replays it: before that primer graphs timed right
+after engine steps read slower than after a capture, 1.10 against 1.02 ms for the base graph of 64 rows on an H200 at
+c28a8ee, and this benchmark's graph_ms were the slow ones.)
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 

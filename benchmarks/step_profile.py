@@ -2,8 +2,8 @@
 its GPU time, the host time of one call of our varlen attention, the host ops that cost most (torch.profiler),
 and the engine's own time to first token (add_request to the first sampled token, prefill graphs included) with
 where its host time goes. Decode: the wall time of overlapped steps at a few batch sizes and the Python functions
-that cost most (cProfile), to set against the decode graph's GPU time (timed right after the steps, and again after
-an eager forward: decode_profile); and at batch 64 with 3 sequences on a LoRA adapter.
+that cost most (cProfile), to set against the decode graph's GPU time, and both again without the engine's PDL
+primer (kernels/pdl_primer.py: decode_profile); and at batch 64 with 3 sequences on a LoRA adapter.
 
 Decode graphs (--sections graphs): for the Qwen2.5-0.5B and Llama-3.2-1B shapes, the kernels a decode step
 launches (per step and per layer) and the GPU time of one replay of its CUDA graph at batch 1 / 8 / 64 / 256 with a
@@ -141,10 +141,13 @@ def prefill_and_decode(n: int, setup: dict) -> dict:
     result["decode_step_ms_with_adapter"] = lora_decode_step_ms(llm, *setup["adapter_batch"], steps)
     print(table)
     for batch, d in decode.items():
-        graph = (f"; its graph {d['graph_ms']['after_steps']:.3f} ms after steps, "
-                 f"{d['graph_ms']['after_eager_forward']:.3f} after an eager forward" if cuda else "")
+        graph = (f" ({d['step_ms_without_primer']:.3f} without the PDL primer); its graph after steps "
+                 f"{d['graph_ms']['primed']:.3f} ms primed, {d['graph_ms']['without_primer']:.3f} without" if cuda
+                 else "")
         print(f"decode batch {batch}: {d['step_ms']:.3f} ms per step{graph}\n{d['profile']}")
     result["decode_step_ms"] = {batch: d["step_ms"] for batch, d in decode.items()}
+    if cuda:
+        result["decode_step_ms_without_primer"] = {batch: d["step_ms_without_primer"] for batch, d in decode.items()}
     result["decode_graph_ms"] = ({batch: d["graph_ms"] for batch, d in decode.items()} if cuda
                                  else CPU_SKIPS["decode_graph_ms"])
     print(json.dumps(result, indent=1))
@@ -519,12 +522,12 @@ def engine_ttft(llm, tokens: int, requests: int) -> dict:
             "engine_ttft_profile": text.getvalue()[-3500:]}
 
 
-def _decode_steps(engine, batch: int, steps: int, adapter_rows: int = 0) -> float:
+def _decode_steps(engine, batch: int, steps: int, adapter_rows: int = 0, tag: str = "decode") -> float:
     """Starts `batch` requests (the first adapter_rows on the adapter "profile"), runs them into steady decoding,
     and returns the mean wall time of the next `steps` overlapped steps."""
     params = SamplingParams(max_new_tokens=4 * steps, temperature=0.0, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"decode-{batch}-{adapter_rows}-{i}", list(range(3, 131)), params,
+        engine.add_request(f"{tag}-{batch}-{adapter_rows}-{i}", list(range(3, 131)), params,
                            adapter="profile" if i < adapter_rows else None)
     for _ in range(10):  # the prefill and the first decodes
         engine.step()
@@ -557,11 +560,11 @@ def lora_decode_step_ms(llm, batch: int, adapter_rows: int, steps: int) -> float
 
 
 def decode_profile(llm, batch: int, steps: int) -> dict:
-    """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile,
-    then the GPU time of the step's graph replayed right after them and again after one eager forward of the same
-    inputs: the two differed on an H200 (c28a8ee: 0.744 / 0.714 ms at batch 1, 1.097 / 1.018 at 64), and served
-    steps run in the first state. (The replays rewrite the last step's cache slots; the requests end here.) On the
-    CPU, whose steps run eagerly, no graph_ms."""
+    """Mean wall time of decode steps at this batch (overlapped, CUDA graphs), then the same steps under cProfile.
+    On CUDA also the steps of new requests without the engine's PDL primer (kernels/pdl_primer.py), and the GPU
+    time of the step's graph replayed right after them, without the primer and with it: the slow state the primer
+    ends, measured. (The replays rewrite the last step's cache slots; the requests end here.) On the CPU, whose
+    steps run eagerly, neither."""
     engine = llm.engine
     step_ms = _decode_steps(engine, batch, steps)
     profile = cProfile.Profile()
@@ -571,17 +574,21 @@ def decode_profile(llm, batch: int, steps: int) -> dict:
     profile.disable()
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(18)
+    _finish(engine)
     if engine.device.type != "cuda":
-        _finish(engine)
         return {"step_ms": step_ms, "profile": text.getvalue()[-3500:]}
     runner = engine.runner
     key = next(bs for bs in runner.graphs if bs >= batch)
-    graph_ms = {"after_steps": replay_ms(runner.graphs[key])}
-    with torch.inference_mode():
-        runner._decode_forward(key)()
-    graph_ms["after_eager_forward"] = replay_ms(runner.graphs[key])
-    _finish(engine)
-    return {"step_ms": step_ms, "graph_ms": graph_ms, "profile": text.getvalue()[-3500:]}
+    shipped, runner.pdl_primer = runner.pdl_primer, False
+    try:
+        unprimed_ms = _decode_steps(engine, batch, steps, tag="unprimed")
+        graph_ms = {"without_primer": replay_ms(runner.graphs[key], prime=False),
+                    "primed": replay_ms(runner.graphs[key])}
+    finally:
+        runner.pdl_primer = shipped
+        _finish(engine)
+    return {"step_ms": step_ms, "step_ms_without_primer": unprimed_ms, "graph_ms": graph_ms,
+            "profile": text.getvalue()[-3500:]}
 
 
 if __name__ == "__main__":

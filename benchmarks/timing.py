@@ -3,11 +3,17 @@ import time
 
 import torch
 
+from kernels.pdl_primer import prime as prime_pdl
+from kernels.pdl_primer import wants_primer
 
-def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 50, warmup_s: float = 0.05) -> float:
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int = 50, warmup_s: float = 0.05, prime: bool = True) -> float:
     """GPU milliseconds of one replay of a captured CUDA graph: CUDA events around back-to-back replays, after
-    replaying it for warmup_s. Graphs timed right after engine steps can read slower than after another capture
-    (benchmarks/lora.py's doc): compare graphs timed in the same state."""
+    replaying it for warmup_s. prime: launch kernels/pdl_primer.py's kernel first, as the engine does before each
+    replay (without it a graph timed after engine steps of a new request reads slower than after a capture)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    if prime and wants_primer(device):
+        prime_pdl(device)
     start = time.perf_counter()
     while time.perf_counter() - start < warmup_s:
         for _ in range(5):

@@ -555,6 +555,43 @@ def test_cuda_graphs_match_eager(model_dir, prompts, settings):
     assert [lp for _, lp in graphed] == pytest.approx([lp for _, lp in eager], abs=1e-3)
 
 
+def test_the_pdl_primer_runs_only_where_graphs_use_pdl(device):
+    """kernels/pdl_primer.py: wanted on CUDA from Hopper on (programmatic dependent launch), never on the CPU; its
+    kernel runs (here: in the interpreter without CUDA)."""
+    from kernels.pdl_primer import _primer_kernel, wants_primer
+
+    assert not wants_primer(torch.device("cpu"))
+    if device == "cuda":
+        assert wants_primer(torch.device("cuda", 0)) == (torch.cuda.get_device_capability(0)[0] >= 9)
+    _primer_kernel[(1,)](torch.empty(1, device=device), PDL=False)
+
+
+@pytest.mark.gpu
+def test_each_graph_replay_follows_the_pdl_primer(model_dir, prompts):
+    """On Hopper the engine launches the primer (kernels/pdl_primer.py) once before each replay of a graph, decode
+    and prefill, and with it switched off never; the tokens are the same either way."""
+    from service.engine.model_runner import EAGER
+
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=8)
+    runner = llm.engine.runner
+    if not runner.pdl_primer:
+        pytest.skip("programmatic dependent launch needs Hopper or later")
+    execute, replays = runner.execute, []
+    runner.execute = lambda plan, pending: replays.append(plan.kind != EAGER) or execute(plan, pending)
+    outs, primers, graph_steps = {}, {}, {}
+    for on in (True, False):
+        runner.pdl_primer, replays[:] = on, []
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            outs[on] = [o.token_ids for o in llm.generate(prompts[:3], GREEDY)]
+            torch.cuda.synchronize()
+        primers[on] = sum(e.name.startswith("_primer_kernel") for e in prof.events())
+        graph_steps[on] = sum(replays)
+    assert graph_steps[True] >= 10, graph_steps  # a prefill graph, then decode graphs
+    assert primers == {True: graph_steps[True], False: 0}
+    assert outs[True] == outs[False]
+    assert_no_leaks(llm)
+
+
 @pytest.mark.gpu
 def test_grammars_and_forks_on_the_gpu_with_graphs_and_overlap(model_dir, prompts):
     """On CUDA (graphs, overlapped steps, masks copied from pinned memory): grammar rows validate, n completions

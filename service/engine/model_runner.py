@@ -34,6 +34,7 @@ import torch
 from kernels import configs as kernel_configs
 from kernels import lora as lora_kernels
 from kernels.decode import choose_num_splits
+from kernels.pdl_primer import prime, wants_primer
 from kernels.prefill import max_tiles, multi_row_tiles
 from kvcache import KVCache, num_blocks_for_bytes, num_blocks_for_gpu
 from service.config import Settings
@@ -96,6 +97,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        self.pdl_primer = wants_primer(self.device)  # a no-op PDL launch before each replay (kernels/pdl_primer.py)
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.kv_cache: KVCache | None = None
         self.max_prefill_graph_tokens = min(max_prefill_graph_tokens, max_num_batched_tokens)
@@ -646,10 +648,17 @@ class ModelRunner:
             s["pending"][:len(pending)] = pending
         if tiles is not None:
             self._copy_in(self.lora_static[:len(tiles)], tiles)
-            self.lora_graphs[bs].replay()
+            self._replay_graph(self.lora_graphs[bs])
             return self.lora_graph_logits[bs]
-        self.graphs[bs].replay()
+        self._replay_graph(self.graphs[bs])
         return self.graph_logits[bs]
+
+    def _replay_graph(self, graph: torch.cuda.CUDAGraph) -> None:
+        """Replays a captured graph, after the primer that lets its kernels overlap as captured
+        (kernels/pdl_primer.py)."""
+        if self.pdl_primer:
+            prime(self.device)
+        graph.replay()
 
     def _sync_tables(self, seqs: list, tables: list[list[int]]) -> tuple[list[int], np.ndarray]:
         """Each sequence's row in the decode graphs' block tables on the device, and the (row, column, block)
@@ -704,9 +713,9 @@ class ModelRunner:
             tokens[0, :n] = _take_pending(tokens[0, :n], tokens[1, :n], pending)
         if tiles is not None:
             self._copy_in(self.lora_static[:len(tiles)], tiles)
-            self.lora_prefill_graphs[key].replay()
+            self._replay_graph(self.lora_prefill_graphs[key])
             return self.lora_prefill_hidden[key], tokens[4]
-        self.prefill_graphs[key].replay()
+        self._replay_graph(self.prefill_graphs[key])
         return self.prefill_hidden[key], tokens[4]
 
 
