@@ -9,9 +9,10 @@ Triton kernel with PDL; a plain Triton launch, cuBLAS or torch kernels, copies, 
 other graphs' replays leave it as it is. Under torch.profiler the slow replays run the same kernels, no longer in
 sum, but overlap them less under PDL (459 against 544 us of overlap per batch-1 step) and leave longer gaps between
 the first, plain ones (0.4 against 0.1 us). What holds the state is not known, so the engine ends it before every
-replay: a launch of about 10 us of host time, less on the GPU than it gains. The engine's steady decode step with it
-against without (84e2744, H200, Qwen2.5-0.5B shape, random weights; benchmarks/step_profile.py's decode section
-measures both): 0.727 / 0.758 ms at batch 1, 1.075 / 1.157 at 64, 1.447 / 1.512 at 256.
+replay: a launch that costs less than it gains (2,000 launched back to back took 10-13 us each, host and GPU alike).
+The engine's steady decode step with it against without (84e2744, H200, Qwen2.5-0.5B shape, random weights;
+benchmarks/step_profile.py's decode section measures both): 0.727 / 0.758 ms at batch 1, 1.075 / 1.157 at 64,
+1.447 / 1.512 at 256.
 """
 import torch
 import triton
