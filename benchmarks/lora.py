@@ -28,7 +28,7 @@ tiles whose programs take K in chunks even where one takes all of it (TILE_WHOLE
 batch 1 only o's switch applies. `variants_x` compares each with the shipped graph captured again beside it. (Every
 graph is timed after kernels/pdl_primer.py's launch, as the engine replays it: before that primer graphs timed right
 after engine steps read slower than after a capture, 1.10 against 1.02 ms for the base graph of 64 rows on an H200 at
-c28a8ee, and this benchmark's graph_ms were the slow ones.)
+c28a8ee, and this benchmark's graph_ms up to 84e2744 were the slow ones.)
 On the GPU the model is the Qwen2.5-0.5B-shaped random bf16 checkpoint of benchmarks/generate.py (random weights:
 only times mean anything).
 
